@@ -1,0 +1,115 @@
+#include "module/bind_runtime.h"
+
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "handlers/common.h"
+
+namespace nb = nanobind;
+
+namespace jax_engram {
+namespace {
+
+void check(const Status& s) {
+  if (!s.empty()) throw std::runtime_error(s);
+}
+
+nb::dict export_to_dict(const Export& e) {
+  nb::dict d;
+  d["pid"] = e.pid;
+  d["host_id"] = e.host_id;
+  d["fds"] = e.fds;
+  d["sizes"] = e.sizes;
+  d["device"] = e.device;
+  return d;
+}
+
+Export export_from_dict(const nb::dict& d) {
+  Export e;
+  e.pid = nb::cast<int64_t>(d["pid"]);
+  e.host_id = nb::cast<std::string>(d["host_id"]);
+  e.fds = nb::cast<std::vector<int64_t>>(d["fds"]);
+  e.sizes = nb::cast<std::vector<uint64_t>>(d["sizes"]);
+  e.device = nb::cast<int64_t>(d["device"]);
+  return e;
+}
+
+}  // namespace
+
+void bind_runtime(nb::module_& m, const char* platform) {
+  m.attr("platform") = platform;
+  m.def("member_create",
+        [](int64_t ctx, int32_t ordinal, int32_t rank, int32_t nranks, double timeout_s, const std::string& label) {
+          check(registry().create_member(ctx, ordinal, rank, nranks, timeout_s, label));
+        },
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("member_destroy", [](int64_t ctx, int32_t ordinal) { check(registry().destroy_member(ctx, ordinal)); },
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("alloc_create", [](int64_t ctx, int32_t ordinal, int64_t alloc_id,
+                           const std::vector<std::pair<uint64_t, int>>& segments) {
+    std::vector<SegmentSpec> segs;
+    for (auto& [bytes, kind] : segments) segs.push_back({bytes, static_cast<SegmentKind>(kind)});
+    Export e;
+    {
+      nb::gil_scoped_release nogil;
+      check(registry().create_alloc(ctx, ordinal, alloc_id, segs, &e));
+    }
+    return export_to_dict(e);
+  });
+  m.def("alloc_connect", [](int64_t ctx, int32_t ordinal, int64_t alloc_id, const std::vector<nb::dict>& exports) {
+    std::vector<Export> ex;
+    for (auto& d : exports) ex.push_back(export_from_dict(d));
+    nb::gil_scoped_release nogil;
+    check(registry().connect_alloc(ctx, ordinal, alloc_id, ex));
+  });
+  m.def("alloc_close_exports",
+        [](int64_t ctx, int32_t ordinal, int64_t alloc_id) { check(registry().close_exports(ctx, ordinal, alloc_id)); });
+  m.def("alloc_free", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
+    check(registry().free_alloc(ctx, ordinal, alloc_id));
+  }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("alloc_info", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
+    Member* mem = registry().find(ctx, ordinal);
+    if (!mem) throw std::runtime_error("no such member");
+    Allocation* a = mem->alloc(alloc_id);
+    if (!a) throw std::runtime_error("no such allocation");
+    nb::dict d;
+    d["local"] = reinterpret_cast<uintptr_t>(a->local);
+    std::vector<uintptr_t> peers;
+    for (auto* p : a->peers) peers.push_back(reinterpret_cast<uintptr_t>(p));
+    d["peers"] = peers;
+    d["total_bytes"] = a->total_bytes;
+    return d;
+  });
+  m.def("error", [](int64_t ctx, int32_t ordinal) -> nb::object {
+    Member* mem = registry().find(ctx, ordinal);
+    if (!mem || !mem->error_host || mem->error_host->code <= 0) return nb::none();
+    const ErrorRecord& e = *mem->error_host;
+    nb::dict d;
+    d["code"] = e.code;
+    d["op"] = std::string(op_name(e.op));
+    d["rank"] = e.rank;
+    d["peer"] = e.peer;
+    d["expected"] = e.expected;
+    d["observed"] = e.observed;
+    d["elapsed_ns"] = e.elapsed_ns;
+    d["detail"] = e.detail;
+    d["message"] = describe_error(*mem, e);
+    return d;
+  });
+  m.def("registrations", []() {
+    nb::dict d;
+    for (auto& h : handler_table()) d[h.name] = nb::capsule(h.symbol);
+    return d;
+  });
+  m.def("host_id", []() { return host_id(); });
+  nb::dict info;
+  info["jaxlib"] = JAX_ENGRAM_BUILD_JAXLIB;
+  info["ffi_api"] = nb::make_tuple(JAX_ENGRAM_FFI_MAJOR, JAX_ENGRAM_FFI_MINOR);
+  m.attr("build_info") = info;
+}
+
+}  // namespace jax_engram

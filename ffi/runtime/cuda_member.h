@@ -1,0 +1,69 @@
+// Per-member CUDA state (Member::backend_state of the CUDA backend): the device, a side stream for work
+// that overlaps XLA's stream (Engram prefetch), the side NCCL communicator with its window and device
+// communicator, and the device properties that decide what the member can do.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <memory>
+#include <string>
+
+#include "runtime/runtime.h"
+
+struct ncclDevComm;  // nccl_device headers: only the NCCL runtime file and kernels include them
+
+namespace jax_engram {
+
+struct CudaMemberState {
+  int device = -1;                       // CUDA device ordinal (== Member::ordinal)
+  cudaStream_t side_stream = nullptr;    // non-blocking; also used for allocation zero-fill
+  cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
+  void* error_alloc = nullptr;           // cudaHostAlloc(Mapped) block holding the ErrorRecord
+
+  // Device properties, read once at init.
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;
+  std::string name;
+  bool vmm = false;                      // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+  bool posix_fd = false;                 // ..._HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+  bool gdr_vmm = false;                  // ..._GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+  bool host_numa_vmm = false;            // ..._HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+  int host_numa_id = -1;                 // ..._HOST_NUMA_ID (-1: no NUMA)
+
+  // Side NCCL communicator (not XLA's): comm_init / window_register in cuda_nccl.cc.
+  ncclComm_t comm = nullptr;
+  int nccl_rank = -1;
+  ncclWindow_t window = nullptr;         // window over the pure-device part of allocation 0 (segment 0)
+  std::string window_reason;             // why there is no window ("" when registered)
+  ncclDevComm* devcomm = nullptr;        // LSA-only device communicator (heap, NCCL's struct)
+  std::string devcomm_reason;            // why there is no devcomm
+  int lsa_size = -1, lsa_rank = -1;      // from the devcomm
+};
+
+inline CudaMemberState& cuda_state(Member& m) { return *static_cast<CudaMemberState*>(m.backend_state.get()); }
+
+// Makes `device` current for this thread and restores the previous device on exit. When the thread had
+// no current context it is left on `device` (restoring "device 0" would create a context on a GPU that
+// this process may not own).
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device);
+  ~CudaDeviceGuard();
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+  // cudaSetDevice's result (check before using the device).
+  cudaError_t status() const { return status_; }
+
+ private:
+  int prev_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// "cudaErrorX (description)" and clears the thread's last runtime error.
+std::string cuda_error_string(cudaError_t e);
+
+// NCCL teardown of a member (cuda_nccl.cc): device communicator, window, communicator. Local calls only.
+void nccl_release_window(CudaMemberState& st);
+void nccl_release_comm(CudaMemberState& st);
+
+}  // namespace jax_engram

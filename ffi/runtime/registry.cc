@@ -1,0 +1,199 @@
+#include "runtime/runtime.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace jax_engram {
+
+Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t rank, int32_t nranks, double timeout_s,
+                               const std::string& label) {
+  if (nranks < 1 || nranks > kMaxRanks) return "nranks must be in [1, " + std::to_string(kMaxRanks) + "]";
+  if (rank < 0 || rank >= nranks) return "rank out of range";
+  std::unique_lock lock(mu_);
+  auto key = std::make_pair(ctx, ordinal);
+  if (members_.count(key)) return "device ordinal " + std::to_string(ordinal) + " already has a member of context " +
+                                  std::to_string(ctx);
+  auto m = std::make_unique<Member>();
+  m->ctx_id = ctx;
+  m->ordinal = ordinal;
+  m->rank = rank;
+  m->nranks = nranks;
+  m->timeout_s = timeout_s;
+  m->label = label;
+  Status s = backend_->init_member(*m);
+  if (!s.empty()) return s;
+  members_[key] = std::move(m);
+  return {};
+}
+
+Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
+  std::unique_ptr<Member> m;
+  {
+    std::unique_lock lock(mu_);
+    auto it = members_.find({ctx, ordinal});
+    if (it == members_.end()) return {};
+    it->second->closing = true;
+  }
+  Member* raw = find(ctx, ordinal);
+  // No new handler can acquire the member now; wait (bounded) for those still executing.
+  for (int i = 0; raw->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
+  Status q = backend_->quiesce(*raw);
+  {
+    std::unique_lock lock(mu_);
+    auto it = members_.find({ctx, ordinal});
+    m = std::move(it->second);
+    members_.erase(it);
+  }
+  for (auto& [id, a] : m->allocs) {
+    backend_->close_exports(*m, *a);
+    backend_->free_alloc(*m, *a);
+  }
+  m->allocs.clear();
+  backend_->destroy_member(*m);
+  return q;
+}
+
+Status Registry::create_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id, const std::vector<SegmentSpec>& segs,
+                              Export* out) {
+  Member* m = find(ctx, ordinal);
+  if (!m) return "no member for context " + std::to_string(ctx) + " on device " + std::to_string(ordinal);
+  auto a = std::make_unique<Allocation>();
+  a->id = alloc_id;
+  a->segments = segs;
+  for (auto& s : segs) {
+    if (s.bytes % kSegmentAlignment) return "segment size must be a multiple of 2 MiB";
+    a->total_bytes += s.bytes;
+  }
+  if (a->total_bytes == 0) return "allocation of 0 bytes";
+  Status st = backend_->create_alloc(*m, *a);
+  if (!st.empty()) return st;
+  *out = a->exported;
+  std::unique_lock lock(mu_);
+  if (m->allocs.count(alloc_id)) return "allocation id already used";
+  m->allocs[alloc_id] = std::move(a);
+  return {};
+}
+
+Status Registry::connect_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id, const std::vector<Export>& peers) {
+  Member* m = find(ctx, ordinal);
+  if (!m) return "no member for context " + std::to_string(ctx);
+  Allocation* a = m->alloc(alloc_id);
+  if (!a) return "no allocation " + std::to_string(alloc_id);
+  if (static_cast<int>(peers.size()) != m->nranks) return "connect needs one export per rank";
+  return backend_->connect_alloc(*this, *m, *a, peers);
+}
+
+Status Registry::close_exports(int64_t ctx, int32_t ordinal, int64_t alloc_id) {
+  Member* m = find(ctx, ordinal);
+  if (!m) return {};
+  Allocation* a = m->alloc(alloc_id);
+  if (a) backend_->close_exports(*m, *a);
+  return {};
+}
+
+Status Registry::free_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id) {
+  Member* m = find(ctx, ordinal);
+  if (!m) return {};
+  Status q = backend_->quiesce(*m);
+  std::unique_ptr<Allocation> a;
+  {
+    std::unique_lock lock(mu_);
+    auto it = m->allocs.find(alloc_id);
+    if (it == m->allocs.end()) return {};
+    a = std::move(it->second);
+    m->allocs.erase(it);
+  }
+  backend_->close_exports(*m, *a);
+  backend_->free_alloc(*m, *a);
+  return q;
+}
+
+Member* Registry::find(int64_t ctx, int32_t ordinal) {
+  std::shared_lock lock(mu_);
+  auto it = members_.find({ctx, ordinal});
+  return it == members_.end() ? nullptr : it->second.get();
+}
+
+Member* Registry::acquire(int64_t ctx, int32_t ordinal, bool* closing) {
+  std::shared_lock lock(mu_);
+  *closing = false;
+  auto it = members_.find({ctx, ordinal});
+  if (it == members_.end()) return nullptr;
+  if (it->second->closing.load()) {
+    *closing = true;
+    return nullptr;
+  }
+  it->second->inflight.fetch_add(1);
+  return it->second.get();
+}
+
+Member* Registry::find_rank(int64_t ctx, int32_t rank) {
+  std::shared_lock lock(mu_);
+  for (auto& [k, m] : members_)
+    if (k.first == ctx && m->rank == rank) return m.get();
+  return nullptr;
+}
+
+std::vector<Member*> Registry::members() {
+  std::shared_lock lock(mu_);
+  std::vector<Member*> out;
+  for (auto& [k, m] : members_) out.push_back(m.get());
+  return out;
+}
+
+std::string describe_error(const Member& m, const ErrorRecord& e) {
+  if (e.code == kErrNone) return {};
+  std::ostringstream s;
+  s << "jax_engram " << op_name(e.op) << " on rank " << e.rank << " of " << m.label << ": ";
+  switch (e.code) {
+    case kErrTimeout:
+      s << "timed out after " << (e.elapsed_ns / 1e9) << " s waiting for peer rank " << e.peer
+        << " (expected " << e.expected << ", saw " << e.observed << "). The peer did not arrive: it crashed, "
+        << "hung, or ran a different sequence of jax_engram ops. Raise timeout_s in jax_engram.init() if it is "
+        << "only slow.";
+      break;
+    case kErrBadInput:
+      s << "invalid input on the device (detail " << e.detail << ", expected " << e.expected << ", saw "
+        << e.observed << ")";
+      break;
+    case kErrIdOutOfRange:
+      s << "index out of range in mode='checked': id " << e.observed << " at flat position " << e.detail
+        << " is not in [0, " << e.expected << ")";
+      break;
+    default:
+      s << "error code " << e.code;
+  }
+  s << ". The context is unusable; close it and init a new one.";
+  return s.str();
+}
+
+void record_error(ErrorRecord* rec, int32_t code, int32_t op, int32_t rank, int32_t peer, int64_t expected,
+                  int64_t observed, int64_t elapsed_ns, int64_t detail) {
+  if (!rec) return;
+  int32_t zero = 0;
+  auto* c = reinterpret_cast<std::atomic<int32_t>*>(&rec->code);
+  // Claim with a placeholder so concurrent writers cannot interleave fields; publish the code last.
+  if (!c->compare_exchange_strong(zero, -1)) return;
+  rec->op = op;
+  rec->rank = rank;
+  rec->peer = peer;
+  rec->expected = expected;
+  rec->observed = observed;
+  rec->elapsed_ns = elapsed_ns;
+  rec->detail = detail;
+  c->store(code, std::memory_order_release);
+}
+
+std::string host_id() {
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  return boot + "/" + name;
+}
+
+}  // namespace jax_engram

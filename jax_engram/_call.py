@@ -1,0 +1,44 @@
+"""Shared plumbing for jax_engram's FFI calls inside shard_map: axis checks, result types from input avals,
+static attributes of exact C++ types."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_axis(ctx, op: str) -> None:
+    """Fail at trace time unless we are inside shard_map over the context's axis (with its size)."""
+    ctx._check_open()
+    try:
+        size = jax.lax.axis_size(ctx.axis_name)
+    except (NameError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"jax_engram.{op} must be called inside jax.shard_map over the mesh axis {ctx.axis_name!r} of its "
+            f"context (got: {e})") from None
+    if int(size) != ctx.num_ranks:
+        raise ValueError(f"jax_engram.{op}: axis {ctx.axis_name!r} has size {size} here but the context has "
+                         f"{ctx.num_ranks} ranks")
+
+
+def like(x, shape=None, dtype=None):
+    """Result type with x's sharding / varying-axes info (a bare ShapeDtypeStruct inside shard_map
+    silently returns device 0's shard)."""
+    t = jax.typeof(x)
+    return t.update(shape=t.shape if shape is None else tuple(shape), dtype=t.dtype if dtype is None else dtype)
+
+
+def new_token(ctx):
+    """A per-rank int32 scalar that varies along the context axis (an ordering token)."""
+    return jax.lax.axis_index(ctx.axis_name).astype(jnp.int32) * 0
+
+
+def i64(v) -> np.int64:
+    return np.int64(int(v))
+
+
+def call(ctx, target: str, results, *operands, **attrs):
+    """ffi_call with side effects (never DCE'd or CSE'd): every jax_engram op communicates."""
+    attrs = {k: (i64(v) if isinstance(v, (bool, int, np.integer)) else v) for k, v in attrs.items()}
+    outs = jax.ffi.ffi_call(target, results, has_side_effect=True)(*operands, ctx_id=i64(ctx.id), **attrs)
+    return outs

@@ -1,0 +1,334 @@
+"""The jax_engram context: one rank per device along a mesh axis, with symmetric windows on every rank.
+
+`init(mesh, axis_name)` is collective over the processes that own the mesh's devices. For every group of
+devices along `axis_name` (one group per position on the other mesh axes) it creates a member per local
+device, a symmetric window `[workspace | device segment | host segment]` per rank, maps every peer's window
+into every member's view (same process: directly; other processes of the host: by file-descriptor
+sharing), and on GPUs a side NCCL communicator per group. Ops find their member by (context id, device
+ordinal) at run time, so the same jitted function works on any number of processes and devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import threading
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_engram import _ffi
+from jax_engram._exchange import Exchange
+
+SEGMENT_ALIGNMENT = 2 << 20
+WORKSPACE_BYTES = 8 << 20  # must match kWorkspaceBytes in ffi/include/jax_engram/workspace.h
+DEVICE, HOST = 0, 1  # SegmentKind
+
+_ids = itertools.count(1)
+_fingerprint_counts: dict[str, int] = {}
+_live: "weakref.WeakSet[Context]" = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
+    return (n + a - 1) // a * a
+
+
+class JaxEngramError(RuntimeError):
+    """An error reported by a jax_engram op on the device (timeout, invalid routing, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A byte range of a symmetric allocation, at the same offset on every rank."""
+
+    alloc_id: int
+    offset: int
+    nbytes: int
+    placement: str  # "device" | "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    device: Any
+    group: int
+    rank: int
+
+    @property
+    def ordinal(self) -> int:
+        return int(self.device.local_hardware_id)
+
+
+class _Reservation:
+    """First-fit allocator over one segment of the window (offsets identical on every rank because every
+    process performs the same sequence of collective allocations)."""
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+        self.used: dict[int, int] = {}  # offset -> bytes
+
+    def take(self, nbytes: int, align: int = 256) -> int | None:
+        pos = self.start
+        for off in sorted(self.used):
+            if _align(pos, align) + nbytes <= off:
+                break
+            pos = max(pos, off + self.used[off])
+        pos = _align(pos, align)
+        if pos + nbytes > self.start + self.size:
+            return None
+        self.used[pos] = nbytes
+        return pos
+
+    def give(self, offset: int) -> None:
+        self.used.pop(offset, None)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.size - sum(self.used.values())
+
+
+class Context:
+    """A jax_engram communication context over one mesh axis. Create with :func:`jax_engram.init`."""
+
+    def __init__(self, mesh, axis_name: str, *, device_bytes: int | None, host_bytes: int | None,
+                 timeout_s: float):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"jax_engram.init: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"jax_engram.init: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
+            if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"jax_engram.init: {name} must be None or a non-negative int, got {v!r}")
+        platforms = {d.platform for d in mesh.devices.flat}
+        if len(platforms) != 1:
+            raise ValueError(f"jax_engram.init: the mesh mixes platforms {platforms}")
+        self.platform = platforms.pop()
+        self._native = _ffi.ensure_registered(self.platform)
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.timeout_s = float(timeout_s)
+        self.device_bytes = None if device_bytes is None else int(device_bytes)
+        self.host_bytes = None if host_bytes is None else int(host_bytes)
+        self.num_ranks = int(mesh.shape[axis_name])
+        axis = list(mesh.axis_names).index(axis_name)
+        self._groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, self.num_ranks)
+        me = jax.process_index()
+        self.members = [Member(d, g, r) for g, row in enumerate(self._groups) for r, d in enumerate(row)
+                        if d.process_index == me]
+        if not self.members:
+            raise ValueError("jax_engram.init: this process owns no device of the mesh; call init only on "
+                             "processes that own some of its devices")
+        self.process_ids = sorted({d.process_index for d in mesh.devices.flat})
+        fp = hashlib.sha1(repr(([d.id for d in mesh.devices.flat], axis_name)).encode()).hexdigest()[:12]
+        with _lock:
+            n = _fingerprint_counts.get(fp, 0)
+            _fingerprint_counts[fp] = n + 1
+            self.id = next(_ids)
+        self._exchange = Exchange(f"{fp}.{n}", self.process_ids, self.timeout_s)
+        self._alloc_ids = itertools.count(0)
+        self._allocs: dict[int, list[tuple[int, int]]] = {}
+        self._regions: dict[Any, Region] = {}
+        self._closed = False
+        self.nccl: dict[int, dict] = {}
+        self._created: list[Member] = []
+        try:
+            self._check_hosts()
+            for m in self.members:
+                self._native.member_create(self.id, m.ordinal, m.rank, self.num_ranks, self.timeout_s,
+                                           f"context {self.id} (axis {axis_name!r}, group {m.group})")
+                self._created.append(m)
+            if self.platform != "cpu":
+                self._init_nccl()
+            dev_seg = _align(self.device_bytes or 0)
+            host_seg = _align(self.host_bytes or 0)
+            segs = [(WORKSPACE_BYTES + dev_seg, DEVICE)] + ([(host_seg, HOST)] if host_seg else [])
+            window = self._alloc(segs)
+            assert window == 0
+            self._device_res = _Reservation(WORKSPACE_BYTES, dev_seg) if self.device_bytes is not None else None
+            self._host_res = (_Reservation(WORKSPACE_BYTES + dev_seg, host_seg)
+                              if self.host_bytes is not None else None)
+            if self.platform != "cpu":
+                self._register_window()
+        except BaseException:
+            self._teardown()
+            raise
+        _live.add(self)
+
+    # ---------------------------------------------------------------------------------------------- setup
+    def _check_hosts(self) -> None:
+        recs = self._exchange.allgather(
+            "hosts", {str(jax.process_index()): self._native.host_id()}, [str(p) for p in self.process_ids])
+        self.hosts = {int(k): v for k, v in recs.items()}
+        for row in self._groups:
+            hosts = {self.hosts[d.process_index] for d in row}
+            if len(hosts) > 1:
+                if self.platform == "cpu":
+                    raise NotImplementedError(
+                        f"jax_engram: axis {self.axis_name!r} spans {len(hosts)} hosts; the CPU backend shares "
+                        "memory between the processes of one host only")
+                self.spans_hosts = True
+        self.spans_hosts = getattr(self, "spans_hosts", False)
+
+    def _init_nccl(self) -> None:
+        for g, row in enumerate(self._groups):
+            local = [m for m in self.members if m.group == g]
+            if not local:
+                continue
+            root = min(d.process_index for d in row)
+            uid = self._native.nccl_unique_id() if jax.process_index() == root else None
+            uid = self._exchange.broadcast_bytes(f"nccl_uid/{g}", uid, root)
+            self._native.comm_init(self.id, [(m.ordinal, m.rank) for m in local], self.num_ranks, uid)
+        for m in self.members:
+            self.nccl[m.ordinal] = self._native.topology(self.id, m.ordinal)
+
+    def _register_window(self) -> None:
+        for g in sorted({m.group for m in self.members}):
+            self._native.window_register(self.id, [m.ordinal for m in self.members if m.group == g])
+
+    def _alloc(self, segments: list[tuple[int, int]]) -> int:
+        """Collective: a symmetric allocation of `segments` [(bytes, DEVICE|HOST)] on every rank."""
+        aid = next(self._alloc_ids)
+        exports = {}
+        try:
+            for m in self.members:
+                exports[f"{m.group}.{m.rank}"] = self._native.alloc_create(self.id, m.ordinal, aid, segments)
+            want = [f"{g}.{r}" for g in sorted({m.group for m in self.members}) for r in range(self.num_ranks)]
+            allx = self._exchange.allgather(f"alloc{aid}/exports", exports, want)
+            for m in self.members:
+                self._native.alloc_connect(self.id, m.ordinal, aid,
+                                           [allx[f"{m.group}.{r}"] for r in range(self.num_ranks)])
+            self._exchange.barrier(f"alloc{aid}/connected")
+        finally:
+            # Every peer has imported (or failed); the shareable handles are not needed any more.
+            for m in self.members:
+                if f"{m.group}.{m.rank}" in exports:
+                    self._native.alloc_close_exports(self.id, m.ordinal, aid)
+        self._allocs[aid] = list(segments)
+        return aid
+
+    def _free_alloc(self, aid: int) -> None:
+        for m in self.members:
+            self._native.alloc_free(self.id, m.ordinal, aid)
+        self._allocs.pop(aid, None)
+
+    # ------------------------------------------------------------------------------------------ regions
+    def region(self, nbytes: int, placement: str = "device", *, key: Any = None, what: str = "buffer") -> Region:
+        """Collective: `nbytes` of symmetric memory on every rank, carved from the init reservation of that
+        placement if one was given, else in a segment of its own. Cached by `key` when given."""
+        self._check_open()
+        if placement not in ("device", "host"):
+            raise ValueError(f"placement must be 'device' or 'host', got {placement!r}")
+        if key is not None and key in self._regions:
+            r = self._regions[key]
+            if r.nbytes >= nbytes:
+                return r
+            self.release(r)
+            del self._regions[key]
+        nbytes = max(int(nbytes), 1)
+        res = self._device_res if placement == "device" else self._host_res
+        if res is not None:
+            off = res.take(nbytes)
+            if off is None:
+                knob = "device_bytes" if placement == "device" else "host_bytes"
+                raise MemoryError(
+                    f"jax_engram: the {what} needs {nbytes} bytes of {placement} memory per rank but the context's "
+                    f"{placement} reservation has {res.free_bytes} of {res.size} bytes free; pass a larger "
+                    f"{knob}= to jax_engram.init() (at least {nbytes + res.size - res.free_bytes}), or {knob}=None "
+                    "to give every buffer a segment of its own")
+            r = Region(0, off, nbytes, placement)
+        else:
+            aid = self._alloc([(_align(nbytes), DEVICE if placement == "device" else HOST)])
+            r = Region(aid, 0, nbytes, placement)
+        if key is not None:
+            self._regions[key] = r
+        return r
+
+    def release(self, r: Region) -> None:
+        if self._closed:
+            return
+        if r.alloc_id == 0:
+            (self._device_res if r.placement == "device" else self._host_res).give(r.offset)
+        else:
+            self._free_alloc(r.alloc_id)
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"jax_engram context {self.id} is closed")
+
+    def check(self) -> None:
+        """Raise JaxEngramError if an op of this context failed on any local device (e.g. a timeout)."""
+        for m in self._created:
+            e = self._native.error(self.id, m.ordinal)
+            if e is not None:
+                raise JaxEngramError(e["message"])
+
+    def errors(self) -> list[dict]:
+        return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]
+
+    def _teardown(self) -> None:
+        for m in reversed(self._created):
+            try:
+                self._native.member_destroy(self.id, m.ordinal)
+            except Exception:  # best effort while unwinding
+                pass
+        self._created = []
+
+    def close(self) -> None:
+        """Collective: wait for this context's device work, then free its windows and communicators."""
+        if self._closed:
+            return
+        self._closed = True
+        for m in self.members:
+            self._native.member_destroy(self.id, m.ordinal)
+        self._created = []
+        try:
+            self._exchange.barrier("closed")
+        finally:
+            _live.discard(self)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Context(id={self.id}, axis={self.axis_name!r}, ranks={self.num_ranks}, platform={self.platform}, "
+                f"processes={len(self.process_ids)}, local_members={len(self.members)}"
+                f"{', closed' if self._closed else ''})")
+
+    # ---------------------------------------------------------------------------------------- diagnosis
+    def info(self) -> dict:
+        d = {
+            "id": self.id, "platform": self.platform, "axis": self.axis_name, "num_ranks": self.num_ranks,
+            "groups": len(self._groups), "processes": len(self.process_ids), "process_index": jax.process_index(),
+            "local_members": [{"device": str(m.device), "ordinal": m.ordinal, "group": m.group, "rank": m.rank}
+                              for m in self.members],
+            "window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
+                       "host_segment_bytes": _align(self.host_bytes or 0)},
+            "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts,
+        }
+        if self.nccl:
+            d["nccl"] = self.nccl
+        return d
+
+
+def init(mesh, axis_name: str, *, device_bytes: int | None = None, host_bytes: int | None = None,
+         timeout_s: float = 100.0) -> Context:
+    """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
+
+    device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
+    segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
+    segment of its own when first needed. timeout_s bounds every wait of every op of this context.
+    """
+    return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s)
+
+
+def live_contexts() -> list[Context]:
+    return list(_live)
