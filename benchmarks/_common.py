@@ -1,0 +1,346 @@
+"""Timing and reporting helpers shared by the jax_engram benchmark scripts.
+
+Everything here works on any JAX backend (CPU with forced host devices for tests, 1-8 GPUs for
+real runs) and makes no assumption about the device count beyond >= 1.
+
+Timing rules (see METHOD.md of the device workplace):
+  * device work is asynchronous: every sample ends with ``jax.block_until_ready`` on the outputs
+    before the host clock is read;
+  * warm up first (compilation, NCCL communicator creation and autotuning stay out of the numbers);
+  * report the median (and p10/p90) of many samples, never a single run;
+  * for us-scale ops, per-call host dispatch (~10-50 us) dominates: use ``time_loop``, which runs
+    the op ``n`` times inside one jitted ``lax.fori_loop`` and divides;
+  * if the inputs fit in L2 (50 MiB on H200), rotate among several input sets (``rotate``).
+
+Imports of this module never touch a device; only the functions do.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+import jax
+from jax import lax
+
+__all__ = [
+    "time_fn", "time_loop", "rotate", "rotations_for_cache", "Table", "print_table", "write_json",
+    "config_line", "env_info", "make_ep_mesh", "gbps", "mpps", "fmt_value", "H200_L2_BYTES",
+]
+
+# H200 (GH100 die) L2 cache: 50 MiB. Inputs smaller than about twice this must be rotated.
+H200_L2_BYTES = 50 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+def _as_tuple(a) -> tuple:
+    return a if isinstance(a, tuple) else (a,)
+
+
+def _summarize(samples_us: list[float], **extra) -> dict:
+    s = sorted(samples_us)
+    q = lambda p: float(np.percentile(s, p)) if s else float("nan")  # noqa: E731
+    out = dict(median_us=q(50), p10_us=q(10), p90_us=q(90), min_us=float(s[0]) if s else float("nan"),
+               mean_us=float(statistics.fmean(s)) if s else float("nan"), samples=[float(x) for x in samples_us])
+    out.update(extra)
+    return out
+
+
+def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 1,
+            arg_sets: Sequence[tuple] | None = None) -> dict:
+    """Time ``fn(*args)`` (normally a jitted function) per call with the host wall clock.
+
+    Each sample is: read clock, call, ``jax.block_until_ready`` on the outputs, read clock. The
+    first ``warmup`` calls (at least one, which compiles) are discarded. ``inner`` is the number of
+    repetitions ``fn`` performs internally (e.g. a ``lax.fori_loop``); every sample is divided by it.
+
+    ``arg_sets``: optional list of argument tuples (see ``rotate``); call ``i`` then uses
+    ``arg_sets[i % len(arg_sets)]`` instead of ``args``, so repeated calls do not run out of cache.
+
+    Returns ``dict(median_us, p10_us, p90_us, min_us, mean_us, samples, iters, warmup, inner)``, all
+    per-iteration microseconds.
+    """
+    if arg_sets is not None:
+        sets = [_as_tuple(a) for a in arg_sets]
+        if not sets:
+            raise ValueError("arg_sets is empty")
+        if args:
+            raise ValueError("pass either positional args or arg_sets, not both")
+    else:
+        sets = [args]
+    inner = max(int(inner), 1)
+    for i in range(max(int(warmup), 1)):
+        jax.block_until_ready(fn(*sets[i % len(sets)]))
+    samples = []
+    for i in range(int(iters)):
+        a = sets[i % len(sets)]
+        t0 = time.perf_counter()
+        out = fn(*a)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e6 / inner)
+        del out
+    return _summarize(samples, iters=int(iters), warmup=max(int(warmup), 1), inner=inner)
+
+
+def time_loop(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: int = 10) -> dict:
+    """Per-iteration time of ``step_fn`` run ``n`` times back to back on the device.
+
+    Builds ``jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step_fn(c), c))`` and times one call
+    of it with ``time_fn(..., inner=n)``: host dispatch is paid once per ``n`` steps, so this is the
+    right way to time us-scale ops. ``step_fn`` must map the carry (any pytree) to a carry of the
+    same structure/shape/dtype/sharding, and its output must depend on its input, otherwise XLA may
+    hoist the work out of the loop. A typical step for a collective is
+    ``lambda c: op(c)`` or ``lambda c: (op(c[0], c[1]), c[1])``.
+
+    Returns the ``time_fn`` dict plus ``n``.
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    looped = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step_fn(c), c))
+    res = time_fn(looped, carry, warmup=warmup, iters=iters, inner=n)
+    res["n"] = n
+    return res
+
+
+def rotate(make_inputs: Callable[[int], Any], k: int) -> list[tuple]:
+    """Build ``k`` independent input sets, ``make_inputs(i)`` for i in 0..k-1 (``i`` is the seed).
+
+    Pass the result as ``time_fn(fn, arg_sets=rotate(make, k))``: consecutive calls then read
+    different buffers, so a working set that fits in L2 does not flatter the timing. Each set is
+    returned as a tuple of arguments. The inputs are made ready before returning.
+    """
+    sets = [_as_tuple(make_inputs(i)) for i in range(max(int(k), 1))]
+    jax.block_until_ready(sets)
+    return sets
+
+
+def rotations_for_cache(bytes_per_set: int, cache_bytes: int = H200_L2_BYTES, factor: float = 2.0,
+                        max_sets: int = 64) -> int:
+    """How many input sets ``rotate`` needs so the sets together exceed ``factor`` x the cache."""
+    if bytes_per_set <= 0:
+        return 1
+    return int(min(max_sets, max(1, math.ceil(factor * cache_bytes / bytes_per_set) + 1)))
+
+
+# --------------------------------------------------------------------------------------------
+# units
+# --------------------------------------------------------------------------------------------
+def gbps(nbytes: float | None, us: float | None) -> float | None:
+    """GB/s (1e9 bytes per second) for ``nbytes`` moved in ``us`` microseconds."""
+    if nbytes is None or us is None or not us or not math.isfinite(us):
+        return None
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def mpps(rows: float | None, us: float | None) -> float | None:
+    """Millions of rows (packets) per second."""
+    if rows is None or us is None or not us or not math.isfinite(us):
+        return None
+    return rows / (us * 1e-6) / 1e6
+
+
+# --------------------------------------------------------------------------------------------
+# environment / config
+# --------------------------------------------------------------------------------------------
+def make_ep_mesh(num_devices: int | None = None, axis_name: str = "ep"):
+    """1-D mesh over the first ``num_devices`` devices (default: all) with an Explicit axis."""
+    devs = jax.devices()
+    r = len(devs) if num_devices is None else int(num_devices)
+    if r < 1 or r > len(devs):
+        raise ValueError(f"asked for {r} devices, {len(devs)} available")
+    return jax.make_mesh((r,), (axis_name,), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=devs[:r])
+
+
+def env_info() -> dict:
+    """Backend, devices, SM count and versions, for the record of every benchmark run."""
+    devs = jax.devices()
+    d0 = devs[0]
+    try:
+        import jaxlib
+        jaxlib_version = getattr(jaxlib, "__version__", None)
+    except Exception:  # pragma: no cover
+        jaxlib_version = None
+    info = dict(
+        jax=jax.__version__, jaxlib=jaxlib_version, python=platform.python_version(),
+        backend=jax.default_backend(), platform=d0.platform, devices=len(devs),
+        device_kind=getattr(d0, "device_kind", None),
+        sms=getattr(d0, "core_count", None),  # SM count on CUDA devices; None elsewhere
+        host=platform.node(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+    )
+    return info
+
+
+def _cfg_value(v) -> str:
+    if v is None or isinstance(v, (str, bool, int, float)):
+        return str(v)
+    try:
+        return np.dtype(v).name  # jnp.bfloat16, np.float32, "bfloat16", dtype objects
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def config_line(print_it: bool = True, **kw) -> str:
+    """One line stating the configuration of a measurement (METHOD: every number needs one).
+
+    Pass the workload parameters as keywords (tokens=, hidden=, topk=, experts=, dtype=, ...);
+    the line adds devices, device kind, SMs per device and the jax version. Returns the line.
+    """
+    info = env_info()
+    fields = dict(kw)
+    for k in ("devices", "device_kind", "sms", "backend", "jax"):
+        fields.setdefault(k, info[k])
+    parts = [f"{k}={_cfg_value(v)}" for k, v in fields.items()]
+    line = "config: " + " ".join(parts)
+    if print_it:
+        print(line, flush=True)
+    return line
+
+
+# --------------------------------------------------------------------------------------------
+# tables / json
+# --------------------------------------------------------------------------------------------
+def fmt_value(v: Any, fmt: str | None = None) -> str:
+    if v is None:
+        return "n/a"
+    if fmt is not None:
+        try:
+            return format(v, fmt)
+        except (TypeError, ValueError):
+            return str(v)
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not math.isfinite(v):
+            return "n/a" if math.isnan(v) else str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:,.1f}"
+        return f"{v:.3g}"
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}" if abs(int(v)) >= 10000 else str(int(v))
+    return str(v)
+
+
+class Table:
+    """Plain-text table. ``columns`` items are names or ``(key, header)`` / ``(key, header, fmt)``.
+
+    >>> t = Table(["name", ("median_us", "us", ".1f")]); t.add(name="x", median_us=3.14159)
+    >>> print(t.render())
+    """
+
+    def __init__(self, columns: Sequence[Any], title: str | None = None):
+        self.cols = []
+        for c in columns:
+            if isinstance(c, str):
+                self.cols.append((c, c, None))
+            else:
+                c = tuple(c)
+                self.cols.append((c[0], c[1] if len(c) > 1 else c[0], c[2] if len(c) > 2 else None))
+        self.title = title
+        self.rows: list[dict] = []
+
+    def add(self, row: dict | None = None, **kw) -> "Table":
+        r = dict(row or {})
+        r.update(kw)
+        self.rows.append(r)
+        return self
+
+    add_row = add
+
+    def render(self) -> str:
+        head = [h for _, h, _ in self.cols]
+        body = [[fmt_value(r.get(k), f) for k, _, f in self.cols] for r in self.rows]
+        widths = [max([len(head[i])] + [len(b[i]) for b in body]) for i in range(len(head))]
+
+        # right-align columns holding only numbers (or n/a), left-align the rest
+        numeric = [all(isinstance(r.get(k), (int, float, np.integer, np.floating)) and not isinstance(r.get(k), bool)
+                       or r.get(k) is None for r in self.rows) for k, _, _ in self.cols]
+
+        def line(cells):
+            out = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(cells)]
+            return "  ".join(out).rstrip()
+
+        lines = []
+        if self.title:
+            lines.append(self.title)
+        lines.append(line(head))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [line(b) for b in body]
+        return "\n".join(lines)
+
+    def print(self, file=None) -> None:
+        print(self.render(), file=file or sys.stdout, flush=True)
+
+    def to_json(self) -> list[dict]:
+        return [dict(r) for r in self.rows]
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def print_table(rows: Iterable[dict], columns: Sequence[Any] | None = None, title: str | None = None) -> str:
+    """Print ``rows`` (dicts) as a plain-text table; columns default to the first row's keys."""
+    rows = list(rows)
+    if columns is None:
+        columns = list(rows[0].keys()) if rows else []
+    t = Table(columns, title=title)
+    for r in rows:
+        t.add(r)
+    s = t.render()
+    print(s, flush=True)
+    return s
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, (np.bool_,)):
+        return bool(o)
+    if isinstance(o, (np.ndarray, jax.Array)):
+        return np.asarray(o).tolist()
+    if isinstance(o, np.dtype) or isinstance(o, type):
+        return getattr(o, "__name__", str(o))
+    if hasattr(o, "dtype") and hasattr(o, "name"):
+        return str(o.name)
+    return str(o)
+
+
+def _clean(o):
+    """NaN/inf -> None so the file is strict JSON; recurse through containers."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, (np.floating,)):
+        return _clean(float(o))
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_json(path: str, obj: Any) -> str:
+    """Write ``obj`` as strict, indented JSON (numpy/jax values converted, NaN -> null)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    text = json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=1, allow_nan=False)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+    return path

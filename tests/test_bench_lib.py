@@ -1,0 +1,227 @@
+"""Fast CPU tests of the benchmark support library (benchmarks/_common.py, _ceilings.py, _baselines.py).
+
+Each scenario runs in a fresh python subprocess with JAX_PLATFORMS=cpu and a forced number of host
+devices (so the test does not depend on how jax was configured in the pytest process), prints one
+JSON line, and the tests assert on it. Both subprocesses start together at module setup.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+
+SCRIPT = textwrap.dedent(r'''
+import json, math, os, sys, tempfile
+import numpy as np
+import jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[1])
+import _common as C, _ceilings as K, _baselines as B
+
+res = {}
+R = len(jax.devices())
+FULL = R > 1   # the 1-device run covers the skip paths and R=1 edge cases with fewer compiles
+res["devices"] = R
+mesh = C.make_ep_mesh()
+
+# ---------------- _common ----------------
+f = jax.jit(lambda a: a * 2 + 1)
+x = jnp.arange(1024, dtype=jnp.float32)
+t = C.time_fn(f, x, warmup=2, iters=7)
+res["time_fn"] = dict(keys=sorted(t), n=len(t["samples"]),
+                      ordered=t["p10_us"] <= t["median_us"] <= t["p90_us"], positive=t["median_us"] > 0)
+sets = C.rotate(lambda i: (jnp.full((256,), i + 1.0),), 3)
+t_rot = C.time_fn(f, arg_sets=sets, warmup=1, iters=6)
+res["rotate"] = dict(k=len(sets), distinct=len({float(s[0][0]) for s in sets}), n=len(t_rot["samples"]),
+                     k_for_1MiB=C.rotations_for_cache(1 << 20), k_for_1GiB=C.rotations_for_cache(1 << 30))
+t_in = C.time_fn(f, x, warmup=1, iters=4, inner=10)
+res["inner"] = t_in["inner"]
+tl = C.time_loop(lambda c: c * 0.5 + 1.0, x, 50, warmup=1, iters=4)
+res["time_loop"] = dict(n=tl["n"], inner=tl["inner"], positive=tl["median_us"] > 0)
+tab = C.Table(["name", ("us", "time us"), ("gbps", "GB/s", ".2f")], title="demo")
+tab.add(name="a", us=1234.5678, gbps=3.14159).add(name="bb", us=None, gbps=None)
+txt = tab.render()
+res["table"] = dict(has_title=txt.startswith("demo"), has_na="n/a" in txt, has_fmt="3.14" in txt,
+                    has_sep="1,234.6" in txt, lines=len(txt.splitlines()))
+C.print_table([dict(what="x", v=1.5)], ["what", "v"])
+line = C.config_line(tokens=128, hidden=7168, topk=8, dtype=jnp.bfloat16)
+res["config_line"] = line
+d = tempfile.mkdtemp()
+p = C.write_json(os.path.join(d, "sub", "r.json"), dict(a=np.float32(1.5), b=float("nan"), c=np.arange(3),
+                                                         dt=jnp.bfloat16, arr=jnp.ones(2)))
+res["json"] = json.load(open(p))
+res["units"] = [C.gbps(1e9, 1e6), C.mpps(2e6, 1e6), C.gbps(None, 1.0)]
+
+# ---------------- _ceilings ----------------
+ce = K.all_ceilings(1 << 20, mesh=mesh, warmup=1, iters=3)
+summ = {}
+for k, v in ce.items():
+    if "skipped" in v or "error" in v:
+        summ[k] = dict(skipped=v.get("skipped"), error=v.get("error"))
+    elif k == "p2p_copy":
+        summ[k] = dict(verified=v["verified"], one=v["one_way"]["gbps"], bi=v["bidir"]["gbps"])
+    elif k == "host_to_device":
+        summ[k] = dict(verified=v["verified"], method=v["method"], h2d=v["h2d"]["gbps"], d2h=v["d2h"]["gbps"])
+    elif k == "local_d2d":
+        summ[k] = dict(verified=v["verified"], copy=v["copy"]["gbps"], kernel=v["kernel"]["rw_gbps"])
+    elif k == "all_to_all":
+        summ[k] = dict(verified=v["verified"], algbw=v["algbw_gbps"])
+res["ceilings"] = summ
+C.print_table(K.ceiling_rows(ce), ["what", "median_us", "gbps", "note"])
+
+# ---------------- Engram baselines ----------------
+eng = {}
+for (rows, hid, T, E, rep) in [(64, 16, 5, 3, False), (37, 8, 1, 4, False), (64, 16, 5, 3, True)][:3 if FULL else 1]:
+    table, ids = B.make_engram_inputs(mesh, rows, hid, T, E, seed=rows + T, ids_replicated=rep)
+    tag = f"rows{rows}_h{hid}_T{T}_E{E}" + ("_repl" if rep else "")
+    eng[tag + "_take"] = B.check_engram_lookup(table, ids, B.gspmd_take(table, ids))["ok"]
+    if not rep:
+        eng[tag + "_a2a"] = B.check_engram_lookup(table, ids, B.a2a_lookup(table, ids))["ok"]
+        # fresh ids, same table (same compiled functions)
+        _, ids2 = B.make_engram_inputs(mesh, rows, hid, T, E, seed=rows + T + 100)
+        eng[tag + "_a2a_fresh"] = B.check_engram_lookup(table, ids2, B.a2a_lookup(table, ids2))["ok"]
+# negative control: a wrong output must fail the check
+eng["negative_control_fails"] = not B.check_engram_lookup(table, ids, B.a2a_lookup(table, (ids + 1) % (R * rows)))["ok"]
+res["engram"] = eng
+res["engram_traffic"] = B.engram_traffic(512, 24, 128, ranks=R)
+
+# ---------------- MoE baselines ----------------
+moe = {}
+N, H, Kk, E = 12, 32, 4, 8
+rag = B.make_ragged_a2a_dispatch_combine(mesh, N, H, Kk, E)
+moe["ragged_native"] = dict(supported=rag.supported, reason=rag.reason, check=rag.check())
+emu = B.make_ragged_a2a_dispatch_combine(mesh, N, H, Kk, E, impl="emulated")
+moe["ragged_emulated"] = [emu.check(), emu.check(fresh_seed=11)]
+if FULL:
+    emu2 = B.make_ragged_a2a_dispatch_combine(mesh, 7, 16, 2, 4 * R, impl="emulated")  # K < El, odd N
+    moe["ragged_emulated_small"] = emu2.check(fresh_seed=3)
+cap = B.make_a2a_capacity_dispatch_combine(mesh, N, H, Kk, E)
+moe["capacity"] = [cap.check(), cap.check(fresh_seed=12)]
+moe["capacity_meta"] = cap.meta
+if FULL:
+    big = B.make_a2a_capacity_dispatch_combine(mesh, N, H, Kk, E, capacity_factor=float(E))  # never drops
+    moe["capacity_nodrop"] = big.check(fresh_seed=4)
+
+# negative controls: a broken dispatch / combine must fail the checks
+good_d, good_c = emu.dispatch, emu.combine
+emu.dispatch = lambda x, t: (lambda r, g, h: (jnp.roll(r, 1, axis=1), g, h))(*good_d(x, t))
+moe["neg_dispatch_fails"] = emu.check()["ok"] is False
+emu.dispatch = good_d
+emu.combine = lambda y, h, w: good_c(y, h, w[:, ::-1])
+moe["neg_combine_fails"] = emu.check()["ok"] is False
+emu.combine = good_c
+cc = cap.combine
+cap.combine = lambda y, h, w: cc(y, h, w * 1.1)
+moe["neg_cap_combine_fails"] = cap.check()["ok"] is False
+cap.combine = cc
+
+# time_loop over a dispatch+combine round trip (the pattern benchmark scripts use)
+x0, tk0, w0 = cap.inputs
+def step(c):
+    xx, tk, w = c
+    recv, gs, h = cap.dispatch(xx, tk)
+    return (cap.combine(recv, h, w), tk, w)
+tl2 = C.time_loop(step, (x0, tk0, w0), 5, warmup=1, iters=3)
+moe["time_loop_roundtrip_us"] = tl2["median_us"]
+x1, tk1, w1 = emu.inputs
+t3 = C.time_fn(emu.dispatch, x1, tk1, warmup=1, iters=3)
+moe["time_fn_dispatch_us"] = t3["median_us"]
+moe["ep_traffic"] = B.ep_traffic(tk0, R, E, H * 2)
+res["moe"] = moe
+print("RESULT_JSON " + json.dumps(res, default=str))
+''')
+
+
+def _spawn(ndev):
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ndev} --xla_backend_optimization_level=0").strip()
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, BENCH], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    procs = {n: _spawn(n) for n in (4, 1)}
+    out = {}
+    for n, p in procs.items():
+        so, se = p.communicate(timeout=300)
+        lines = [l for l in so.splitlines() if l.startswith("RESULT_JSON ")]
+        assert p.returncode == 0 and lines, f"subprocess ({n} devices) failed rc={p.returncode}\n{so[-3000:]}\n{se[-5000:]}"
+        out[n] = dict(res=json.loads(lines[-1][len("RESULT_JSON "):]), stdout=so)
+    return out
+
+
+@pytest.mark.parametrize("ndev", [4, 1])
+def test_common(runs, ndev):
+    r = runs[ndev]["res"]
+    assert r["devices"] == ndev
+    tf = r["time_fn"]
+    assert tf["n"] == 7 and tf["ordered"] and tf["positive"]
+    assert {"median_us", "p10_us", "p90_us", "samples"} <= set(tf["keys"])
+    assert r["rotate"]["k"] == 3 and r["rotate"]["distinct"] == 3 and r["rotate"]["n"] == 6
+    assert r["rotate"]["k_for_1GiB"] == 2 and r["rotate"]["k_for_1MiB"] > 50
+    assert r["inner"] == 10
+    assert r["time_loop"] == dict(n=50, inner=50, positive=True)
+    assert all(r["table"][k] for k in ("has_title", "has_na", "has_fmt", "has_sep")) and r["table"]["lines"] == 5
+    line = r["config_line"]
+    for s in ("tokens=128", "hidden=7168", "topk=8", "dtype=bfloat16", f"devices={ndev}", "jax=", "device_kind=cpu", "sms="):
+        assert s in line, (s, line)
+    assert r["json"] == dict(a=1.5, b=None, c=[0, 1, 2], dt="bfloat16", arr=[1.0, 1.0])
+    assert r["units"][0] == pytest.approx(1.0) and r["units"][1] == pytest.approx(2.0) and r["units"][2] is None
+    assert "config: " in runs[ndev]["stdout"]
+
+
+@pytest.mark.parametrize("ndev", [4, 1])
+def test_ceilings(runs, ndev):
+    c = runs[ndev]["res"]["ceilings"]
+    assert c["host_to_device"]["verified"] and c["host_to_device"]["h2d"] > 0 and c["host_to_device"]["d2h"] > 0
+    assert c["local_d2d"]["verified"] and c["local_d2d"]["copy"] > 0 and c["local_d2d"]["kernel"] > 0
+    if ndev >= 2:
+        assert c["p2p_copy"]["verified"] and c["p2p_copy"]["one"] > 0 and c["p2p_copy"]["bi"] > 0
+        assert c["all_to_all"]["verified"] is True and c["all_to_all"]["algbw"] > 0
+    else:
+        assert "2 devices" in c["p2p_copy"]["skipped"]
+        assert "2 devices" in c["all_to_all"]["skipped"]
+
+
+@pytest.mark.parametrize("ndev", [4, 1])
+def test_engram_baselines(runs, ndev):
+    e = runs[ndev]["res"]["engram"]
+    assert all(e.values()), e
+    assert len(e) == (8 if ndev > 1 else 4)
+    tr = runs[ndev]["res"]["engram_traffic"]
+    assert tr["rows"] == 512 * 24 and tr["bytes"] == 512 * 24 * 256
+
+
+@pytest.mark.parametrize("ndev", [4, 1])
+def test_moe_baselines(runs, ndev):
+    m = runs[ndev]["res"]["moe"]
+    # XLA:CPU has no ragged_all_to_all: reported, not crashed
+    rn = m["ragged_native"]
+    if not rn["supported"]:
+        assert "unsupported" in rn["reason"] and rn["check"]["ok"] is None
+    else:
+        assert rn["check"]["ok"], rn
+    for chk in m["ragged_emulated"] + ([m["ragged_emulated_small"]] if ndev > 1 else []):
+        assert chk["ok"] and chk["dispatch_mismatches"] == 0 and chk["group_sizes_ok"], chk
+        assert chk["combine_rel_err"] < 1e-2
+    for chk in m["capacity"] + ([m["capacity_nodrop"]] if ndev > 1 else []):
+        assert chk["ok"] and chk["dispatch_mismatches"] == 0 and chk["group_sizes_ok"], chk
+    assert sum(c["dropped"] for c in m["capacity"]) > 0   # capacity 1.25 drops something at this size
+    if ndev > 1:
+        assert m["capacity_nodrop"]["dropped"] == 0
+    assert m["capacity_meta"]["capacity"] == 8  # ceil(1.25 * 12*4 / 8)
+    assert m["neg_dispatch_fails"] and m["neg_combine_fails"] and m["neg_cap_combine_fails"]
+    assert m["time_loop_roundtrip_us"] > 0 and m["time_fn_dispatch_us"] > 0
+    tr = m["ep_traffic"]
+    assert tr["expanded_bytes"] == 12 * 4 * 64
+    if ndev == 1:
+        assert tr["physical_bytes"] == 0 and tr["expanded_remote_bytes"] == 0
+    else:
+        assert 0 < tr["physical_bytes"] <= tr["logical_bytes"] <= tr["expanded_bytes"]
