@@ -1,0 +1,154 @@
+// Expert-parallel (MoE dispatch / combine) layout: the one source of truth for the CPU backend and the CUDA
+// kernels. Protocol in docs/DESIGN.md ("EP dispatch / combine: pull protocol"). Everything here is plain
+// arithmetic on offsets, usable on host and device; no state.
+//
+// Notation: R ranks, M = max_tokens_per_rank, N <= M local tokens, K top-k (<= 32), E experts,
+// E_loc = E / R, A = expert_alignment, H = hidden, elt = bytes per x element, P = scale entries per token
+// (4 bytes each; 0 = none). Source global id src_gid = s * M + t.
+//
+// Three pieces of memory:
+//   1. the workspace EP block (WorkspaceLayout::kEp, fixed, in every rank's window): per-context sequence
+//      counters and ready words (EpWorkspace below);
+//   2. the dispatch staging region (EpDispatchLayout), symmetric, one per config (ctx.region key), two
+//      halves selected by the call's sequence parity;
+//   3. the combine staging region (EpCombineLayout), the same idea for combine.
+#pragma once
+#include "jax_engram/workspace.h"
+
+namespace jax_engram {
+
+inline constexpr int kEpMaxTopk = 32;
+inline constexpr int kEpMaxLocalExperts = 256;
+inline constexpr int kEpMaxExperts = 2048;
+inline constexpr uint64_t kEpAlign = 128;  // every staging section starts on a 128-byte boundary
+
+// ----------------------------------------------------------------------------------------------------------
+// Workspace EP block (byte offsets from the window base; every word uint64, zero at context creation).
+//
+// Sequence numbers: every rank runs the same sequence of EP ops on a context (ordered by tokens), so the n-th
+// dispatch-type call (dispatch or cached dispatch) has seq = n on every rank (n = 1, 2, ...); combine calls
+// have their own counter. A call with sequence seq:
+//   seq        = own.<op>_seq + 1; own.<op>_seq = seq   (owner-private; CUDA: written back once the kernel(s)
+//                                                         of the call no longer need the old value)
+//   writes its staging half (seq & 1), then
+//   if its input is invalid: own.<op>_bad = seq, own.<op>_bad_detail = detail (before ready, same release)
+//   own.<op>_ready = seq (release store: publishes the half)
+//   waits (acquire, bounded by the context timeout) until peer.<op>_ready >= seq for every peer, then
+//   fails with kErrBadInput naming the peer if peer.<op>_bad == seq,
+//   reads the peers' half (seq & 1).
+// Why two halves and one ready word suffice: rank A writes half p in call n only after its call n-1 saw every
+// peer's ready >= n-1, which each peer published after finishing its reads of call n-2 (the last call that
+// used half p). A peer can therefore be in call n-1 or n only; calls of different configs (different
+// regions) share the counter, which is harmless (they never alias memory).
+struct EpWorkspace {
+  static constexpr uint64_t kDispatchSeq = WorkspaceLayout::kEp + 0;
+  static constexpr uint64_t kDispatchReady = WorkspaceLayout::kEp + 128;
+  static constexpr uint64_t kDispatchBad = WorkspaceLayout::kEp + 256;        // seq of a call with bad input
+  static constexpr uint64_t kDispatchBadDetail = WorkspaceLayout::kEp + 264;  // int64: token index
+  static constexpr uint64_t kCombineSeq = WorkspaceLayout::kEp + 512;
+  static constexpr uint64_t kCombineReady = WorkspaceLayout::kEp + 640;
+  static constexpr uint64_t kCombineBad = WorkspaceLayout::kEp + 768;
+  static constexpr uint64_t kCombineBadDetail = WorkspaceLayout::kEp + 776;
+  static constexpr uint64_t kEnd = WorkspaceLayout::kEp + 1024;  // rest of the 4 MiB block: free (CUDA scratch)
+};
+static_assert(EpWorkspace::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBytes, "EP block overflow");
+
+// Bad-input details (kErrBadInput, ErrorRecord::detail): token * 64 + kind.
+enum EpBadKind : int32_t {
+  kEpBadDuplicateExpert = 1,  // a token lists the same expert twice
+  kEpBadExpertRange = 2,      // topk_idx outside [-1, E)
+};
+JE_HD int64_t ep_bad_detail(int64_t token, int32_t kind) { return token * 64 + kind; }
+
+// ----------------------------------------------------------------------------------------------------------
+// Static row counts and expand math.
+JE_HD int64_t ep_align(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+JE_HD int64_t ep_min(int64_t a, int64_t b) { return a < b ? a : b; }
+// Rows of the non-expand receive layout (rank-major: region of source s at psum_rank[s-1]).
+JE_HD int64_t ep_rows_nonexpand(int64_t R, int64_t M) { return R * M; }
+// Rows of the expand receive layout: align(R*M*min(K,E_loc) + (A-1)*E_loc, A).
+JE_HD int64_t ep_rows_expand(int64_t R, int64_t M, int64_t K, int64_t E_loc, int64_t A) {
+  return ep_align(R * M * ep_min(K, E_loc) + (A - 1) * E_loc, A);
+}
+JE_HD int64_t ep_rows(bool expand, int64_t R, int64_t M, int64_t K, int64_t E_loc, int64_t A) {
+  return expand ? ep_rows_expand(R, M, K, E_loc, A) : ep_rows_nonexpand(R, M);
+}
+
+// Master position of a token for destination rank d: the HIGHEST k with topk_idx[k] / E_loc == d
+// (topk_idx[k] >= 0), or -1. Combine adds the ranks' rows in ascending master position.
+JE_HD int ep_master_k(const int32_t* topk_row, int K, int E_loc, int d) {
+  int mk = -1;
+  for (int k = 0; k < K; ++k)
+    if (topk_row[k] >= 0 && topk_row[k] / E_loc == d) mk = k;
+  return mk;
+}
+
+// Expand layout on rank d, given (for its local experts e) count[e] = Σ_s exp_counts_s[d*E_loc + e]:
+//   start[e]  = Σ_{j<e} align(count[j], A)                                       (segment start)
+//   off_s[e]  = Σ_{s'<s} exp_counts_{s'}[d*E_loc + e]                            (source s inside segment e)
+//   row(s, t, k) = start[e] + off_s[e] + pos_exp_s[t, k]      with e = topk_idx_s[t, k] - d*E_loc
+// (rows of one segment are therefore sorted by src_gid: the deterministic order).
+//   padding rows of e: [start[e] + count[e], start[e] + align(count[e], A))  (zeroed with zero_padding)
+//   psum_expert[e] = start[e] + count[e] (expand) | Σ_{j<=e} align(count[j], A) (non-expand)
+//   group_sizes[e] = align(count[e], A); unaligned[e] = count[e]
+// Non-expand layout on rank d: recv_from[s] = counts_s[d]; psum_rank = inclusive scan of recv_from;
+//   row(s, t) = (psum_rank[s-1] or 0) + pos_rank_s[t, d]; num_recv_tokens = psum_rank[R-1].
+// Sender side: dst_row[t, d] = Σ_{s<me} counts_s[d] + pos_rank_me[t, d] (or -1 if t sends nothing to d).
+
+// recv_src_metadata [R*M, K+2] int32, one row per received token in non-expand row order (both layouts):
+//   [0] = src_gid = s*M + t, [1] = s*K + master_k(d), [2+k] = expand row of position k or -1
+//   (non-expand: -1). Rows >= num_recv_tokens: unspecified.
+JE_HD int32_t ep_meta_gid(int32_t s, int32_t t, int32_t M) { return s * M + t; }
+JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s * K + master_k; }
+
+// ----------------------------------------------------------------------------------------------------------
+// Dispatch staging region: [half 0 | half 1], each half:
+//   counts      int32[R]          tokens sent to each dest rank (a token counts once per rank)
+//   exp_counts  int32[E]          (token, k) pairs per global expert
+//   topk_idx    int32[M, K]       this rank's routing; rows >= N are -1
+//   weights     f32[M, K]         topk_weights (if given; else unspecified)
+//   pos_rank    int32[M, R]       exclusive position of token t among this rank's tokens sent to d, or -1
+//   pos_exp     int32[M, K]       exclusive position of (t,k) among this rank's pairs to expert topk_idx[t,k]
+//                                 (in token order), or -1 when masked
+//   x           bytes[M, x_row]   x rows, x_row = align(H*elt, 16)
+//   scales      bytes[M, sf_row]  scale rows, sf_row = align(P*4, 16)
+// Cached dispatch writes only weights, x and scales (layout from the handle); the counting fields are
+// neither written nor read. Each section starts on a kEpAlign boundary.
+struct EpDispatchLayout {
+  int64_t R, M, K, E, x_row, sf_row;
+  JE_HD static EpDispatchLayout make(int64_t R, int64_t M, int64_t K, int64_t E, int64_t hidden_bytes,
+                                     int64_t num_scales) {
+    return EpDispatchLayout{R, M, K, E, (int64_t)align_up(hidden_bytes, 16), (int64_t)align_up(num_scales * 4, 16)};
+  }
+  JE_HD uint64_t counts() const { return 0; }
+  JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
+  JE_HD uint64_t topk_idx() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
+  JE_HD uint64_t weights() const { return align_up(topk_idx() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t pos_rank() const { return align_up(weights() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t pos_exp() const { return align_up(pos_rank() + 4 * M * R, kEpAlign); }
+  JE_HD uint64_t x() const { return align_up(pos_exp() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t scales() const { return align_up(x() + (uint64_t)(M * x_row), kEpAlign); }
+  JE_HD uint64_t half_bytes() const { return align_up(scales() + (uint64_t)(M * sf_row), kEpAlign); }
+  JE_HD uint64_t total_bytes() const { return 2 * half_bytes(); }
+  JE_HD uint64_t half(uint64_t seq) const { return (seq & 1) * half_bytes(); }  // offset of the call's half
+};
+
+// Combine staging region: [half 0 | half 1], each half:
+//   y        bytes[R*M, y_row]   row i = what this (expert) rank returns for its received token row i:
+//                                non-expand y[i]; expand the fp32 sum over valid local k (ascending k) of
+//                                y[meta[i, 2+k]] rounded once to y's dtype (one valid k: copied)
+//   weights  f32[R*M, K]         non-expand w[i, :]; expand w[meta[i, 2+k]] or 0 (if weights given)
+// y_row = align(H * elt_y, 16).
+struct EpCombineLayout {
+  int64_t R, M, K, y_row;
+  JE_HD static EpCombineLayout make(int64_t R, int64_t M, int64_t K, int64_t hidden_bytes) {
+    return EpCombineLayout{R, M, K, (int64_t)align_up(hidden_bytes, 16)};
+  }
+  JE_HD uint64_t y() const { return 0; }
+  JE_HD uint64_t weights() const { return align_up(y() + (uint64_t)(R * M * y_row), kEpAlign); }
+  JE_HD uint64_t half_bytes() const { return align_up(weights() + 4 * R * M * K, kEpAlign); }
+  JE_HD uint64_t total_bytes() const { return 2 * half_bytes(); }
+  JE_HD uint64_t half(uint64_t seq) const { return (seq & 1) * half_bytes(); }
+};
+
+}  // namespace jax_engram
