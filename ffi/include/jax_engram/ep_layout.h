@@ -31,7 +31,8 @@ inline constexpr uint64_t kEpAlign = 128;  // every staging section starts on a 
 //   seq        = own.<op>_seq + 1; own.<op>_seq = seq   (owner-private; CUDA: written back once the kernel(s)
 //                                                         of the call no longer need the old value)
 //   writes its staging half (seq & 1), then
-//   if its input is invalid: own.<op>_bad = seq, own.<op>_bad_detail = detail (before ready, same release)
+//   if its input is invalid: own.<op>_bad_detail = detail, own.<op>_bad_value = offending value,
+//                            own.<op>_bad = seq (all before the ready store, which releases them)
 //   own.<op>_ready = seq (release store: publishes the half)
 //   waits (acquire, bounded by the context timeout) until peer.<op>_ready >= seq for every peer, then
 //   fails with kErrBadInput naming the peer if peer.<op>_bad == seq,
@@ -44,11 +45,13 @@ struct EpWorkspace {
   static constexpr uint64_t kDispatchSeq = WorkspaceLayout::kEp + 0;
   static constexpr uint64_t kDispatchReady = WorkspaceLayout::kEp + 128;
   static constexpr uint64_t kDispatchBad = WorkspaceLayout::kEp + 256;        // seq of a call with bad input
-  static constexpr uint64_t kDispatchBadDetail = WorkspaceLayout::kEp + 264;  // int64: token index
+  static constexpr uint64_t kDispatchBadDetail = WorkspaceLayout::kEp + 264;  // int64: ep_bad_detail()
+  static constexpr uint64_t kDispatchBadValue = WorkspaceLayout::kEp + 272;   // int64: the offending id
   static constexpr uint64_t kCombineSeq = WorkspaceLayout::kEp + 512;
   static constexpr uint64_t kCombineReady = WorkspaceLayout::kEp + 640;
   static constexpr uint64_t kCombineBad = WorkspaceLayout::kEp + 768;
   static constexpr uint64_t kCombineBadDetail = WorkspaceLayout::kEp + 776;
+  static constexpr uint64_t kCombineBadValue = WorkspaceLayout::kEp + 784;
   static constexpr uint64_t kEnd = WorkspaceLayout::kEp + 1024;  // rest of the 4 MiB block: free (CUDA scratch)
 };
 static_assert(EpWorkspace::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBytes, "EP block overflow");
@@ -57,6 +60,7 @@ static_assert(EpWorkspace::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBy
 enum EpBadKind : int32_t {
   kEpBadDuplicateExpert = 1,  // a token lists the same expert twice
   kEpBadExpertRange = 2,      // topk_idx outside [-1, E)
+  kEpBadHandle = 3,           // handle arrays (metadata, dst_row, psum) out of range: not this dispatch's
 };
 JE_HD int64_t ep_bad_detail(int64_t token, int32_t kind) { return token * 64 + kind; }
 
