@@ -53,6 +53,7 @@ struct Mapping {
 
 struct CudaAlloc {
   int device = -1;
+  size_t align = kSegmentAlignment;  // VA alignment: max of the segments' cuMem granularities
   Mapping own;
   std::vector<int> fds;            // exported shareable handles (closed by close_exports)
   std::vector<Mapping> imports;    // other processes' memory
@@ -278,7 +279,7 @@ class CudaBackend final : public Backend {
                  " failed: " + cu_error_string(cr);
         mp.handles.push_back(h);
       }
-      Status s = map_all(d, mp, kSegmentAlignment, st.device, "the memory of " + who);
+      Status s = map_all(d, mp, al->align, st.device, "the memory of " + who);
       if (!s.empty())
         return s + ". GPU " + std::to_string(st.device) + " may not reach GPU " + std::to_string(e.device) +
                " of the other process (no peer access between them?)";
@@ -384,6 +385,7 @@ class CudaBackend final : public Backend {
       mp.sizes.push_back(s.bytes);
       mp.bytes += s.bytes;
     }
+    al.align = align;
     Status s = map_all(d, mp, align, st.device, "own memory");
     if (!s.empty()) return s;
     // Zero-fill on our side stream (does not wait for XLA's work on the device).

@@ -209,6 +209,10 @@ Status nccl_window_register(Registry& reg, int64_t ctx, const std::vector<int32_
   ncclDevCommRequirements_t req0{};  // 2.28.x: unversioned; GIN stays off on one node without GIN resources
 #endif
   req0.lsaBarrierCount = 1;
+#if NCCL_VERSION_CODE >= 23100
+  req0.ginStrongSignalsRequired = false;  // no GIN: do not ask the (absent) GIN backend for signal features
+  req0.ginVaSignalsRequired = false;
+#endif
   std::vector<ncclDevCommRequirements_t> reqs(ms.size(), req0);  // read at ncclGroupEnd: keep alive
   std::vector<std::string> derr(ms.size());
   r = ncclGroupStart();
