@@ -59,6 +59,10 @@ class Member:
 
     @property
     def ordinal(self) -> int:
+        """The FFI DeviceOrdinal of this device: XLA:CPU passes the global device id (2048 * process +
+        local on multi-process jobs), XLA:GPU the local CUDA ordinal."""
+        if self.device.platform == "cpu":
+            return int(self.device.id)
         return int(self.device.local_hardware_id)
 
 
@@ -139,7 +143,7 @@ class Context:
         try:
             self._check_hosts()
             for m in self.members:
-                self._native.member_create(self.id, m.ordinal, m.rank, self.num_ranks, self.timeout_s,
+                self._native.member_create(self.id, m.ordinal, m.group, m.rank, self.num_ranks, self.timeout_s,
                                            f"context {self.id} (axis {axis_name!r}, group {m.group})")
                 self._created.append(m)
             if self.platform != "cpu":
@@ -183,12 +187,12 @@ class Context:
             uid = self._native.nccl_unique_id() if jax.process_index() == root else None
             uid = self._exchange.broadcast_bytes(f"nccl_uid/{g}", uid, root)
             self._native.comm_init(self.id, [(m.ordinal, m.rank) for m in local], self.num_ranks, uid)
-        for m in self.members:
-            self.nccl[m.ordinal] = self._native.topology(self.id, m.ordinal)
 
     def _register_window(self) -> None:
         for g in sorted({m.group for m in self.members}):
             self._native.window_register(self.id, [m.ordinal for m in self.members if m.group == g])
+        for m in self.members:  # after registration, so window/devcomm state is current
+            self.nccl[m.ordinal] = self._native.topology(self.id, m.ordinal)
 
     def _alloc(self, segments: list[tuple[int, int]]) -> int:
         """Collective: a symmetric allocation of `segments` [(bytes, DEVICE|HOST)] on every rank."""

@@ -43,8 +43,9 @@ Export export_from_dict(const nb::dict& d) {
 void bind_runtime(nb::module_& m, const char* platform) {
   m.attr("platform") = platform;
   m.def("member_create",
-        [](int64_t ctx, int32_t ordinal, int32_t rank, int32_t nranks, double timeout_s, const std::string& label) {
-          check(registry().create_member(ctx, ordinal, rank, nranks, timeout_s, label));
+        [](int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,
+           const std::string& label) {
+          check(registry().create_member(ctx, ordinal, group, rank, nranks, timeout_s, label));
         },
         nb::call_guard<nb::gil_scoped_release>());
   m.def("member_destroy", [](int64_t ctx, int32_t ordinal) { check(registry().destroy_member(ctx, ordinal)); },

@@ -72,7 +72,7 @@ class CpuBackend final : public Backend {
       if (e.sizes.empty() || e.sizes[0] != a.total_bytes)
         return "rank " + std::to_string(r) + " created allocation " + std::to_string(a.id) + " with another size";
       if (e.pid == getpid()) {
-        Member* peer = reg.find_rank(m.ctx_id, static_cast<int32_t>(r));
+        Member* peer = reg.find_rank(m.ctx_id, m.group, static_cast<int32_t>(r));
         Allocation* pa = peer ? peer->alloc(a.id) : nullptr;
         if (!pa) return "same-process rank " + std::to_string(r) + " has no allocation " + std::to_string(a.id);
         a.peers[r] = pa->local;

@@ -8,7 +8,7 @@
 
 namespace jax_engram {
 
-Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t rank, int32_t nranks, double timeout_s,
+Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,
                                const std::string& label) {
   if (nranks < 1 || nranks > kMaxRanks) return "nranks must be in [1, " + std::to_string(kMaxRanks) + "]";
   if (rank < 0 || rank >= nranks) return "rank out of range";
@@ -19,6 +19,7 @@ Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t rank, int32
   auto m = std::make_unique<Member>();
   m->ctx_id = ctx;
   m->ordinal = ordinal;
+  m->group = group;
   m->rank = rank;
   m->nranks = nranks;
   m->timeout_s = timeout_s;
@@ -130,10 +131,10 @@ Member* Registry::acquire(int64_t ctx, int32_t ordinal, bool* closing) {
   return it->second.get();
 }
 
-Member* Registry::find_rank(int64_t ctx, int32_t rank) {
+Member* Registry::find_rank(int64_t ctx, int32_t group, int32_t rank) {
   std::shared_lock lock(mu_);
   for (auto& [k, m] : members_)
-    if (k.first == ctx && m->rank == rank) return m.get();
+    if (k.first == ctx && m->group == group && m->rank == rank) return m.get();
   return nullptr;
 }
 

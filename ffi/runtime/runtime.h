@@ -54,7 +54,8 @@ struct Allocation {
 
 struct Member {
   int64_t ctx_id = 0;
-  int32_t ordinal = 0;       // XLA device ordinal (FFI DeviceOrdinal) == jax Device.local_hardware_id
+  int32_t ordinal = 0;       // FFI DeviceOrdinal: XLA:CPU global device id, XLA:GPU local CUDA ordinal
+  int32_t group = 0;         // which group of devices along the axis (one per position on other axes)
   int32_t rank = 0;          // position on the context axis
   int32_t nranks = 0;
   double timeout_s = 100.0;
@@ -101,7 +102,7 @@ class Registry {
   explicit Registry(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
   Backend& backend() { return *backend_; }
 
-  Status create_member(int64_t ctx, int32_t ordinal, int32_t rank, int32_t nranks, double timeout_s,
+  Status create_member(int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,
                        const std::string& label);
   Status destroy_member(int64_t ctx, int32_t ordinal);
   Status create_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id, const std::vector<SegmentSpec>& segs,
@@ -116,8 +117,8 @@ class Registry {
   // nullptr if absent or closing (*closing tells which). Pair with release().
   Member* acquire(int64_t ctx, int32_t ordinal, bool* closing);
   static void release(Member* m) { if (m) m->inflight.fetch_sub(1); }
-  // Same-process peer: the member of context `ctx` with `rank` on `nranks` whose group contains `like`.
-  Member* find_rank(int64_t ctx, int32_t rank);
+  // Same-process peer: the member of context `ctx`, group `group` with `rank` (nullptr if not local).
+  Member* find_rank(int64_t ctx, int32_t group, int32_t rank);
   std::vector<Member*> members();
 
   std::shared_mutex& mutex() { return mu_; }
