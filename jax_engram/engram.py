@@ -1,0 +1,439 @@
+"""Engram: a huge embedding table sharded over the ranks of a context axis, read by *global* id with
+one-sided loads from every peer (DeepEP V2's ``engram_write`` / ``engram_fetch``, as jit primitives).
+
+Table. ``EngramTable(ctx, num_entries, hidden, dtype, placement=..., num_sf_packs=...)`` reserves, on every
+rank, ``num_entries * hidden * itemsize`` bytes of symmetric memory (``ctx.region``): HBM (``"device"``) or
+host-NUMA memory mapped into every GPU's view (``"host"``). Rank r's shard holds global ids
+``[r*num_entries, (r+1)*num_entries)``, row-major. With ``num_sf_packs = P > 0`` a replicated scale-factor
+table ``[num_ranks*num_entries, P]`` (float32, or int32 holding packed UE8M0x4) lives in every rank's own
+memory too (written by ``write``, read locally by ``fetch``), so the table is self-contained: nothing has
+to be passed around between jitted calls.
+
+Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)::
+
+    token = table.write(storage, sf=None, token=None)    # storage [num_entries, hidden]: this rank's shard
+    pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, E] global ids
+    ...                                                  # independent XLA work overlaps the reads (GPU)
+    data, sf = table.wait(pending)                       # data [T, E*hidden], sf per sf_layout or None
+    data, sf = table.lookup(indices, token, ...)         # fetch + wait
+
+Outside ``shard_map`` (global arrays, jit and shard_map done for you)::
+
+    table.write_global(x, sf=None)     # x [num_ranks*num_entries, hidden] (sharded along the axis, or numpy)
+    data, sf = table.lookup_global(ids)
+
+Semantics (``deepep_v2_semantics.md`` §2 plus padding / modes; the reference is
+``jax_engram.reference.engram_lookup``):
+
+* global id g -> owner ``g // num_entries``, row ``g % num_entries``; negative ids are padding: zero row
+  and zero sf. Ids ``>= num_ranks*num_entries`` follow ``mode``: ``"fill"`` zero row/sf, ``"clip"`` read
+  the last valid id, ``"checked"`` raise an error naming the first bad flat position and its id. On CPU
+  the fetch itself fails (the context stays usable). On GPU the check runs on the device: the fetch
+  returns zeros for bad ids and records the error in the context, which is raised by the NEXT jax_engram
+  op of the context or by ``ctx.check()`` (asynchronous; the context is then unusable, as after any
+  device-side error).
+* indices must be integers; int32 is used as is, other integer dtypes are converted with saturation
+  (``> 2**31-1`` becomes out of range, never wraps to a valid id). Global ids are int32, so
+  ``num_ranks * num_entries < 2**31``.
+* ``write`` is collective: barrier (no fetch of the old table in flight anywhere), copy the shard into
+  the own region, barrier (visible everywhere). A fetch that follows a write in the same program must
+  receive the write's token (``fetch(ids, token)``); a write that follows a lookup in the same program
+  must receive something computed from it (``write(x, token=data)``): independent side-effecting ops
+  may run in any order. Separate jitted calls are ordered by the device stream on GPU; the ``*_global``
+  methods chain an internal token so they are ordered on every backend.
+* fetch returns as soon as the reads are enqueued (GPU: on a side stream that first waits for XLA's
+  stream); ``wait`` makes XLA's stream wait for them. Every buffer the reads touch (output, indices) is
+  carried in the pending object until ``wait``: keep fetch and wait in the same jitted program, and do
+  not use anything of a pending object except by passing it to ``wait``.
+* No kernel is specialised on T, E, hidden or num_entries: the jitted program's custom calls carry the
+  same attributes for every T (XLA still compiles one executable per distinct input shape, as for any
+  jitted function; DeepEP JIT-compiles a kernel per (num_entries, hidden, E, num_qps) instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_engram import _call
+
+__all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
+
+#: Storage dtypes of an Engram table.
+ENGRAM_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32),
+                 np.dtype(ml_dtypes.float8_e4m3fn))
+#: Out-of-range handling (engram_layout.h Mode).
+ENGRAM_MODES = {"fill": 0, "clip": 1, "checked": 2}
+#: Scale-factor output layouts (engram_layout.h SfLayout).
+SF_LAYOUTS = {"row": 0, "tma_col_major": 1}
+_SF_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+_SF_TOKEN_ALIGN = 4
+_INT32_MAX = 2**31 - 1
+_NO_BAD_POSITION = 0x7F7F7F7F  # engram_layout.h kNoBadPosition: flat positions T*E must stay below it
+
+_uids = itertools.count()
+
+
+def _dtype_name(d) -> str:
+    return np.dtype(d).name
+
+
+def _check_choice(what: str, value, choices) -> int:
+    if value not in choices:
+        raise ValueError(f"jax_engram Engram: {what} must be one of {tuple(choices)}, got {value!r}")
+    return choices[value]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "sf", "status", "indices"],
+                   meta_fields=["has_sf", "overlap"])
+@dataclasses.dataclass(frozen=True)
+class EngramPending:
+    """What ``EngramTable.fetch`` returns: the output buffers being filled and everything the reads touch.
+    Pass it to ``EngramTable.wait`` (in the same jitted program); do not read its fields."""
+
+    data: Any
+    sf: Any
+    status: Any
+    indices: Any
+    has_sf: bool
+    overlap: bool
+
+
+class EngramTable:
+    """A table of ``num_ranks * num_entries`` rows of ``hidden`` elements, sharded over the context axis.
+
+    Args:
+      ctx: a :class:`jax_engram.Context`. Construction is collective (every process constructs its tables
+        in the same order) and takes memory from the context (``ctx.region``): from the init reservation
+        of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
+      num_entries: rows per rank (every rank holds the same number).
+      hidden: elements per row.
+      dtype: bfloat16, float16, float32 or float8_e4m3fn.
+      placement: ``"host"`` (host-NUMA memory, read by the GPUs over PCIe/C2C) or ``"device"`` (HBM of the
+        owner, read by peers over NVLink).
+      num_sf_packs: P > 0 keeps a replicated scale-factor table ``[num_ranks*num_entries, P]`` of
+        ``sf_dtype`` (required for float8_e4m3fn, which carries no scale of its own).
+      sf_dtype: float32, or int32 (packed UE8M0x4).
+      sf_placement: where each rank's copy of the scale-factor table lives (read locally), default HBM.
+    """
+
+    def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
+                 num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device"):
+        pre = "jax_engram.EngramTable"
+        ctx._check_open()
+        for name, v, lo in (("num_entries", num_entries, 1), ("hidden", hidden, 1), ("num_sf_packs", num_sf_packs, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{pre}: {name} must be an int >= {lo}, got {v!r}")
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt not in ENGRAM_DTYPES:
+            raise TypeError(f"{pre}: dtype must be one of {[d.name for d in ENGRAM_DTYPES]}, got {dtype!r}")
+        for name, v in (("placement", placement), ("sf_placement", sf_placement)):
+            if v not in ("host", "device"):
+                raise ValueError(f"{pre}: {name} must be 'host' or 'device', got {v!r}")
+        sdt = np.dtype(sf_dtype)
+        if sdt not in _SF_DTYPES:
+            raise TypeError(f"{pre}: sf_dtype must be float32 or int32 (packed UE8M0x4), got {sf_dtype!r}")
+        if dt == np.dtype(ml_dtypes.float8_e4m3fn) and num_sf_packs == 0:
+            raise ValueError(f"{pre}: dtype float8_e4m3fn needs scale factors: pass num_sf_packs > 0 (e.g. "
+                             "ceil(hidden / 128) packs of per-128-channel scales) and write the sf table")
+        self.ctx = ctx
+        self.num_ranks = ctx.num_ranks
+        self.num_entries = int(num_entries)
+        self.hidden = int(hidden)
+        self.dtype = dt
+        self.placement = placement
+        self.num_sf_packs = int(num_sf_packs)
+        self.sf_dtype = sdt
+        self.sf_placement = sf_placement
+        self.row_bytes = self.hidden * dt.itemsize
+        self.total_entries = self.num_ranks * self.num_entries
+        if self.total_entries > _INT32_MAX:
+            raise ValueError(f"{pre}: num_ranks*num_entries = {self.total_entries} exceeds 2**31-1; global ids are "
+                             "int32")
+        self._uid = next(_uids)
+        self.nbytes = self.num_entries * self.row_bytes
+        self.sf_nbytes = self.total_entries * self.num_sf_packs * 4
+        self.region = ctx.region(self.nbytes, placement, key=("engram", self._uid),
+                                 what=f"Engram table ({self.num_entries} rows x {self.hidden} {dt.name} per rank)")
+        self.sf_region = None
+        if self.num_sf_packs:
+            try:
+                self.sf_region = ctx.region(
+                    self.sf_nbytes, sf_placement, key=("engram_sf", self._uid),
+                    what=f"Engram scale-factor table ({self.total_entries} x {self.num_sf_packs} {sdt.name}, "
+                         "replicated)")
+            except BaseException:
+                ctx.release(self.region)
+                raise
+        self._token = None  # chain of the *_global calls (write -> lookups -> write ...)
+        self._global_fns: dict = {}
+
+    # -------------------------------------------------------------------------------------- helpers
+    def __repr__(self) -> str:
+        sf = f", num_sf_packs={self.num_sf_packs} ({self.sf_dtype.name})" if self.num_sf_packs else ""
+        return (f"EngramTable({self.num_ranks} ranks x {self.num_entries} rows, hidden={self.hidden}, "
+                f"{self.dtype.name}, placement={self.placement!r}{sf}, {self.nbytes} bytes per rank)")
+
+    def _sf_attrs(self) -> dict:
+        r = self.sf_region
+        return dict(sf_alloc_id=r.alloc_id if r else 0, sf_offset=r.offset if r else 0)
+
+    def _table_attrs(self) -> dict:
+        return dict(alloc_id=self.region.alloc_id, offset=self.region.offset, num_entries=self.num_entries,
+                    row_bytes=self.row_bytes)
+
+    def sf_shape(self, T: int, E: int, sf_layout: str = "row") -> tuple[int, ...]:
+        """Local shape of the sf output of a lookup of [T, E] ids (``(0,)`` without scale factors)."""
+        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        if not self.num_sf_packs:
+            return (0,)
+        EP = E * self.num_sf_packs
+        if sf_layout == "row":
+            return (T, EP)
+        return (EP, (T + _SF_TOKEN_ALIGN - 1) // _SF_TOKEN_ALIGN * _SF_TOKEN_ALIGN)
+
+    def _indices(self, indices, op: str):
+        indices = jnp.asarray(indices)
+        if indices.ndim != 2:
+            raise ValueError(f"jax_engram EngramTable.{op}: indices must be [T, E] (tokens x ids per token) global "
+                             f"ids, got shape {indices.shape}")
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"jax_engram EngramTable.{op}: indices must be an integer array (int32 global ids), got "
+                            f"{indices.dtype}")
+        T, E = indices.shape
+        if T * E >= _NO_BAD_POSITION:
+            raise ValueError(f"jax_engram EngramTable.{op}: T*E = {T * E} ids per call is too many (limit "
+                             f"{_NO_BAD_POSITION - 1})")
+        if indices.dtype != jnp.int32:
+            # Saturate instead of wrapping: an id beyond int32 must stay out of range, not alias a valid row.
+            if indices.dtype.itemsize >= 4:  # uint32, int64, uint64 (narrower types convert exactly)
+                if jnp.issubdtype(indices.dtype, jnp.signedinteger):
+                    indices = jnp.clip(indices, -1, _INT32_MAX)
+                else:
+                    indices = jnp.minimum(indices, np.array(_INT32_MAX, indices.dtype))
+            indices = indices.astype(jnp.int32)
+        return indices
+
+    # --------------------------------------------------------------------------- in shard_map
+    def write(self, storage, sf=None, *, token=None):
+        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] (and, with scale
+        factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
+
+        ``token``: any array that must be computed before the write starts (e.g. the data of an earlier
+        lookup of this table in the same program). Returns an int32 token: pass it to the fetches that
+        must see the new table.
+        """
+        _call.check_axis(self.ctx, "EngramTable.write")
+        pre = "jax_engram EngramTable.write"
+        storage = jnp.asarray(storage)
+        if storage.shape != (self.num_entries, self.hidden):
+            raise ValueError(f"{pre}: storage must be this rank's shard [num_entries, hidden] = "
+                             f"[{self.num_entries}, {self.hidden}] (local shape inside shard_map), got "
+                             f"{storage.shape}")
+        if storage.dtype != self.dtype:
+            raise TypeError(f"{pre}: storage dtype {storage.dtype} does not match the table's {self.dtype.name} "
+                            "(no implicit conversion; cast it yourself)")
+        if self.num_sf_packs:
+            if sf is None:
+                raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf, the replicated "
+                                 f"scale-factor table [num_ranks*num_entries, P] = [{self.total_entries}, "
+                                 f"{self.num_sf_packs}]")
+            sf = jnp.asarray(sf)
+            if sf.shape != (self.total_entries, self.num_sf_packs):
+                raise ValueError(f"{pre}: sf must be the replicated table [num_ranks*num_entries, num_sf_packs] = "
+                                 f"[{self.total_entries}, {self.num_sf_packs}] indexed by global id, got "
+                                 f"{sf.shape}")
+            if sf.dtype != self.sf_dtype:
+                raise TypeError(f"{pre}: sf dtype {sf.dtype} does not match the table's sf_dtype "
+                                f"{self.sf_dtype.name}")
+            sf_bytes = self.sf_nbytes
+        else:
+            if sf is not None:
+                raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
+            sf = jnp.zeros((0,), jnp.int32)
+            sf_bytes = 0
+        if token is None:
+            token = _call.new_token(self.ctx)
+        token = jnp.asarray(token)
+        return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), jnp.int32), token, storage,
+                          sf, **self._table_attrs(), **self._sf_attrs(), sf_bytes=sf_bytes)
+
+    def fetch(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
+              overlap: bool = True) -> EngramPending:
+        """Enqueue the reads of rows ``indices`` [T, E] (global ids); returns a pending lookup for ``wait``.
+
+        ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
+        must be computed first). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
+        "row" -> sf [T, E*P]; "tma_col_major" -> sf [E*P, align(T, 4)] (column-major by token, zero padding).
+        ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
+        and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
+        is what ``lookup`` does). No effect on CPU, where fetch reads synchronously.
+        """
+        _call.check_axis(self.ctx, "EngramTable.fetch")
+        mode_i = _check_choice("mode", mode, ENGRAM_MODES)
+        layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        indices = self._indices(indices, "fetch")
+        T, E = indices.shape
+        token = indices if token is None else jnp.asarray(token)
+        sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
+        if T * E == 0:  # nothing to read (XLA cannot compile the aliasing wait on empty buffers)
+            return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
+                                 jnp.zeros(self.sf_shape(T, E, sf_layout), sf_dt), jnp.zeros((), jnp.int32), indices,
+                                 bool(self.num_sf_packs), bool(overlap))
+        results = (_call.like(indices, (T, E * self.hidden), self.dtype),
+                   _call.like(indices, self.sf_shape(T, E, sf_layout), sf_dt),
+                   _call.like(indices, (), jnp.int32))
+        data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
+                                      **self._table_attrs(), **self._sf_attrs(), mode=mode_i,
+                                      num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap))
+        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap))
+
+    def wait(self, pending: EngramPending):
+        """Wait for a pending fetch; returns ``(data [T, E*hidden], sf or None)``."""
+        _call.check_axis(self.ctx, "EngramTable.wait")
+        if not isinstance(pending, EngramPending):
+            raise TypeError(f"jax_engram EngramTable.wait: expected the EngramPending returned by fetch, got "
+                            f"{type(pending).__name__}")
+        ops = (pending.data, pending.sf, pending.status, pending.indices)
+        if pending.data.size == 0:
+            return pending.data, (pending.sf if pending.has_sf else None)
+        data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
+                                    has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
+                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
+        return data, (sf if pending.has_sf else None)
+
+    def lookup(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row"):
+        """``wait(fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False))``: ``(data, sf or
+        None)``; on GPU the reads run on XLA's stream (nothing to overlap with)."""
+        return self.wait(self.fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False))
+
+    # ----------------------------------------------------------------------------- global API
+    def _mesh_spec(self):
+        return self.ctx.mesh, self.ctx.axis_name
+
+    def _global_token(self):
+        mesh, ax = self._mesh_spec()
+        if self._token is None:
+            self._token = jax.device_put(np.zeros((self.num_ranks,), np.int32), NamedSharding(mesh, P(ax)))
+        return self._token
+
+    def _write_fn(self):
+        fn = self._global_fns.get("write")
+        if fn is None:
+            mesh, ax = self._mesh_spec()
+
+            def body(x, sf, tok):
+                t = self.write(x, sf if self.num_sf_packs else None, token=tok)
+                return t.reshape(1)
+
+            sm = jax.shard_map(body, mesh=mesh, in_specs=(P(ax, None), P(), P(ax)), out_specs=P(ax))
+            fn = self._global_fns["write"] = jax.jit(sm)
+        return fn
+
+    def write_global(self, x, sf=None):
+        """Collective: write the whole table from ``x`` [num_ranks*num_entries, hidden] (rank r's shard =
+        rows r*num_entries..; a jax.Array sharded along the axis, or a host array that every process passes
+        in full) and, with scale factors, the replicated ``sf`` [num_ranks*num_entries, P]. Ordered after
+        every earlier ``*_global`` call of this table. Returns the token (int32 [num_ranks])."""
+        mesh, ax = self._mesh_spec()
+        shape = (self.total_entries, self.hidden)
+        if tuple(np.shape(x)) != shape:
+            raise ValueError(f"jax_engram EngramTable.write_global: x must be the whole table [num_ranks*num_entries, "
+                             f"hidden] = [{shape[0]}, {shape[1]}], got {tuple(np.shape(x))}")
+        x = self._to_global(x, P(ax, None), "x")
+        if self.num_sf_packs:
+            if sf is None:
+                raise ValueError(f"jax_engram EngramTable.write_global: the table has num_sf_packs="
+                                 f"{self.num_sf_packs}: pass sf [{self.total_entries}, {self.num_sf_packs}]")
+            sf = self._to_global(sf, P(), "sf")
+        elif sf is not None:
+            raise ValueError("jax_engram EngramTable.write_global: sf given but the table has num_sf_packs=0")
+        else:
+            sf = self._to_global(np.zeros((0,), np.int32), P(), "sf")
+        self._token = self._write_fn()(x, sf, self._global_token())
+        return self._token
+
+    def _to_global(self, a, spec, name):
+        mesh, _ = self._mesh_spec()
+        sh = NamedSharding(mesh, spec)
+        if isinstance(a, jax.Array):
+            if a.sharding.is_equivalent_to(sh, a.ndim):
+                return a
+            if not a.is_fully_addressable:
+                raise ValueError(f"jax_engram EngramTable: {name} is a multi-process array with sharding "
+                                 f"{a.sharding}; expected {sh.spec} over the context's mesh")
+            return jax.device_put(a, sh)
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    def _lookup_fn(self, mode, sf_layout, sharded):
+        key = ("lookup", mode, sf_layout, sharded)
+        fn = self._global_fns.get(key)
+        if fn is None:
+            mesh, ax = self._mesh_spec()
+            ids_spec = P(ax, None) if sharded else P()
+            out_spec = P(ax, None) if sharded else P()
+
+            def body(ids, tok):
+                pend = self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, overlap=False)
+                data, sf = self.wait(pend)
+                # The next *_global call depends on this lookup through the status word (never read).
+                return data, (sf if sf is not None else jnp.zeros((0,), jnp.int32)), pend.status.reshape(1)
+
+            sm = jax.shard_map(body, mesh=mesh, in_specs=(ids_spec, P(ax)),
+                               out_specs=(out_spec, out_spec if self.num_sf_packs else P(), P(ax)))
+            fn = self._global_fns[key] = jax.jit(sm)
+        return fn
+
+    def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None):
+        """Look up global ids from outside shard_map. Two forms:
+
+        * sharded (default for a jax.Array whose first dimension is sharded along the context axis): ids
+          [num_ranks*T, E], rank r looks up rows r*T..(r+1)*T; returns data [num_ranks*T, E*hidden] sharded
+          the same way and sf as the per-rank sf outputs stacked along axis 0 ([num_ranks*T, E*P] for "row",
+          [num_ranks*E*P, align(T, 4)] for "tma_col_major").
+        * replicated (numpy arrays, replicated jax.Arrays, or ``sharded=False``): ids [T, E] seen by every
+          rank; returns replicated data [T, E*hidden] and sf ([T, E*P] or [E*P, align(T, 4)]).
+
+        Ordered after every earlier ``*_global`` call of this table. Returns ``(data, sf or None)``.
+        """
+        _check_choice("mode", mode, ENGRAM_MODES)
+        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        mesh, ax = self._mesh_spec()
+        if np.ndim(ids) != 2:
+            raise ValueError(f"jax_engram EngramTable.lookup_global: ids must be [T, E], got shape {np.shape(ids)}")
+        if sharded is None:
+            sharded = (isinstance(ids, jax.Array) and isinstance(ids.sharding, NamedSharding)
+                       and len(ids.sharding.spec) > 0 and ids.sharding.spec[0] is not None
+                       and ax in (ids.sharding.spec[0] if isinstance(ids.sharding.spec[0], tuple)
+                                  else (ids.sharding.spec[0],)))
+        if sharded and np.shape(ids)[0] % self.num_ranks:
+            raise ValueError(f"jax_engram EngramTable.lookup_global: sharded ids [num_ranks*T, E] need a first "
+                             f"dimension divisible by num_ranks={self.num_ranks}, got {np.shape(ids)}")
+        if not isinstance(ids, jax.Array):
+            ids = np.asarray(ids)
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError(f"jax_engram EngramTable.lookup_global: ids must be integers, got {ids.dtype}")
+            if ids.dtype != np.int32:
+                lo = -1 if np.issubdtype(ids.dtype, np.signedinteger) else 0
+                ids = np.clip(ids, lo, _INT32_MAX).astype(np.int32)
+        ids = self._to_global(ids, P(ax, None) if sharded else P(), "ids")
+        data, sf, self._token = self._lookup_fn(mode, sf_layout, bool(sharded))(ids, self._global_token())
+        return data, (sf if self.num_sf_packs else None)
+
+    def free(self) -> None:
+        """Give the table's memory back to the context (collective, like construction)."""
+        for r in (self.region, self.sf_region):
+            if r is not None:
+                self.ctx.release(r)
+        self.region = self.sf_region = None
