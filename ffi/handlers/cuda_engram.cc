@@ -1,0 +1,288 @@
+// CUDA handlers of the Engram ops (same names, operands and attributes as cpu_engram.cc, plus `overlap`).
+//
+// write: make XLA's stream wait for this member's side stream (no fetch of ours still reads the old table),
+//        barrier kernel, copy kernel into the own region (ends with a system fence: published), copy of the
+//        replicated sf table, barrier kernel; all on XLA's stream.
+// fetch: overlap=1 and a side stream: record an event on XLA's stream, make the side stream wait for it, launch
+//        the gather on the side stream (fetch returns at once; XLA work placed before wait overlaps the reads).
+//        overlap=0 (lookup = fetch + wait back to back) or no side stream: the gather runs on XLA's stream.
+// wait:  overlap=1: record an event on the side stream, make XLA's stream wait for it. The data / sf results
+//        alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
+// checked mode: the range check runs on the device; the first bad position is recorded in the member's error
+//        record, reported by the next op of the context or ctx.check() (asynchronous, see engram.py).
+// Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "handlers/common.h"
+#include "jax_engram/engram_layout.h"
+#include "kernels/cuda/base.h"
+#include "kernels/cuda/engram.cuh"
+#include "runtime/cuda_member.h"
+
+namespace jax_engram {
+namespace {
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
+  return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
+}
+
+ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
+  if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
+  if (!m.backend_state) return op_error(op, "member has no CUDA state", ffi::ErrorCode::kFailedPrecondition);
+  Allocation* w = m.alloc(0);
+  if (!w || !w->peers_device)
+    return op_error(op, "the context window is not connected on this device", ffi::ErrorCode::kFailedPrecondition);
+  return ffi::Error::Success();
+}
+
+// Events for ordering XLA's stream and the member's side stream (fork: XLA -> side, join: side -> XLA). Our own
+// pair per member, so that an event is never re-recorded by another op between its record and its wait; the
+// mutex keeps each record+wait pair atomic if several host threads drive the same device.
+struct StreamEvents {
+  std::mutex mu;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+ffi::Error stream_events(Member& m, int32_t op, StreamEvents** out) {
+  static std::mutex mu;
+  static auto* table = new std::map<std::pair<int64_t, int32_t>, std::unique_ptr<StreamEvents>>();  // leaked
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = (*table)[{m.ctx_id, m.ordinal}];
+  if (!slot) {
+    auto ev = std::make_unique<StreamEvents>();
+    cudaError_t e = cudaEventCreateWithFlags(&ev->fork, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->join, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      if (ev->fork) cudaEventDestroy(ev->fork);
+      return cuda_failure(op, "creating the stream-ordering events", e);
+    }
+    slot = std::move(ev);
+  }
+  *out = slot.get();
+  return ffi::Error::Success();
+}
+
+// `to` waits for the work enqueued on `from` so far.
+ffi::Error order_after(Member& m, int32_t op, cudaStream_t from, cudaStream_t to, bool fork) {
+  StreamEvents* ev;
+  if (auto e = stream_events(m, op, &ev); !e.success()) return e;
+  std::lock_guard<std::mutex> lock(ev->mu);
+  cudaEvent_t x = fork ? ev->fork : ev->join;
+  cudaError_t e = cudaEventRecord(x, from);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(to, x, 0);
+  if (e != cudaSuccess) return cuda_failure(op, "ordering XLA's stream and the side stream", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error sf_region(Member& m, int64_t sf_alloc_id, int64_t sf_offset, uint64_t sf_bytes, int32_t op, uint8_t** out) {
+  *out = nullptr;
+  if (sf_bytes == 0) return ffi::Error::Success();
+  Allocation* a;
+  if (auto e = check_region(m, sf_alloc_id, sf_offset, sf_bytes, op, &a); !e.success()) return e;
+  *out = a->local + sf_offset;
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage,
+                           ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id,
+                           int64_t offset, int64_t num_entries, int64_t row_bytes, int64_t sf_alloc_id,
+                           int64_t sf_offset, int64_t sf_bytes) {
+  (void)token;
+  constexpr int32_t op = kOpEngramWrite;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  const uint64_t n = static_cast<uint64_t>(num_entries) * row_bytes;
+  if (storage.size_bytes() != n)
+    return op_error(op, "storage has " + num(storage.size_bytes()) + " bytes, the table shard needs " + num(n) +
+                            " (num_entries " + num(num_entries) + " x " + num(row_bytes) + " bytes per row)");
+  if (sf.size_bytes() != static_cast<uint64_t>(sf_bytes))
+    return op_error(op, "sf has " + num(sf.size_bytes()) + " bytes, expected " + num(sf_bytes));
+  Allocation* a;
+  if (auto e = check_region(m, alloc_id, offset, n, op, &a); !e.success()) return e;
+  uint8_t* sf_dst;
+  if (auto e = sf_region(m, sf_alloc_id, sf_offset, sf_bytes, op, &sf_dst); !e.success()) return e;
+  CudaDeviceGuard g(ordinal);
+  if (auto e = enter_device(m, op, g); !e.success()) return e;
+  CudaMemberState& st = cuda_state(m);
+  // Our own fetches of the old table (side stream) finish before we arrive at the barrier; every peer does
+  // the same, so after the barrier nobody reads the old rows.
+  if (st.side_stream)
+    if (auto e = order_after(m, op, st.side_stream, stream, false); !e.success()) return e;
+  const SyncArgs sync = make_sync_args(m, op);
+  cudaError_t ce = launch_barrier(sync, stream);
+  if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
+  ce = launch_copy(a->local + offset, storage.untyped_data(), n, kCopyPublish, stream);
+  if (ce != cudaSuccess) return cuda_failure(op, "launching the copy into the table region", ce);
+  if (sf_bytes) {
+    ce = launch_copy(sf_dst, sf.untyped_data(), static_cast<uint64_t>(sf_bytes), kCopyPlain, stream);
+    if (ce != cudaSuccess) return cuda_failure(op, "launching the copy of the scale-factor table", ce);
+  }
+  ce = launch_barrier(sync, stream);
+  if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
+  if (token_out->size_bytes()) {
+    ce = cudaMemsetAsync(token_out->untyped_data(), 0, token_out->size_bytes(), stream);
+    if (ce != cudaSuccess) return cuda_failure(op, "writing the token", ce);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffer token,
+                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> sf_out,
+                           ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id, int64_t alloc_id, int64_t offset,
+                           int64_t num_entries, int64_t row_bytes, int64_t mode, int64_t sf_alloc_id,
+                           int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap) {
+  (void)token;
+  constexpr int32_t op = kOpEngramFetch;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  if (indices.element_type() != ffi::DataType::S32 || indices.dimensions().size() != 2)
+    return op_error(op, "indices must be an int32 [T, E] array");
+  const int64_t T = indices.dimensions()[0], E = indices.dimensions()[1];
+  if (mode < engram::kModeFill || mode > engram::kModeChecked) return op_error(op, "bad mode " + num(mode));
+  if (sf_layout != engram::kSfRow && sf_layout != engram::kSfTmaColMajor)
+    return op_error(op, "bad sf_layout " + num(sf_layout));
+  if (data->size_bytes() != static_cast<uint64_t>(T * E * row_bytes))
+    return op_error(op, "data result has " + num(data->size_bytes()) + " bytes, expected T*E*row_bytes = " +
+                            num(T * E * row_bytes));
+  const int64_t P = num_sf_packs;
+  const int64_t sf_elems = P > 0 ? engram::sf_out_elems(T, E * P, static_cast<int32_t>(sf_layout)) : 0;
+  if (sf_out->size_bytes() != static_cast<uint64_t>(sf_elems * engram::kSfWordBytes))
+    return op_error(op, "sf result has " + num(sf_out->size_bytes()) + " bytes, expected " +
+                            num(sf_elems * engram::kSfWordBytes));
+  if (status->size_bytes() != sizeof(int32_t)) return op_error(op, "status result must be one int32");
+  const int64_t total = static_cast<int64_t>(m.nranks) * num_entries;
+  Allocation* a;
+  if (auto e = check_region(m, alloc_id, offset, static_cast<uint64_t>(num_entries) * row_bytes, op, &a);
+      !e.success())
+    return e;
+  if (!a->peers_device) return op_error(op, "the table's allocation is not connected", ffi::ErrorCode::kFailedPrecondition);
+  uint8_t* sf_table;
+  if (auto e = sf_region(m, sf_alloc_id, sf_offset,
+                         static_cast<uint64_t>(P > 0 ? total * P * engram::kSfWordBytes : 0), op, &sf_table);
+      !e.success())
+    return e;
+  CudaDeviceGuard g(ordinal);
+  if (auto e = enter_device(m, op, g); !e.success()) return e;
+  CudaMemberState& st = cuda_state(m);
+  cudaStream_t run_on = stream;
+  if (overlap && st.side_stream) {
+    if (auto e = order_after(m, op, stream, st.side_stream, true); !e.success()) return e;
+    run_on = st.side_stream;
+  }
+  EngramFetchArgs f;
+  f.ids = static_cast<const int32_t*>(indices.untyped_data());
+  f.T = T;
+  f.E = E;
+  f.num_entries = num_entries;
+  f.nranks = m.nranks;
+  f.peers = static_cast<uint8_t* const*>(a->peers_device);
+  f.offset = offset;
+  f.row_bytes = row_bytes;
+  f.mode = static_cast<int32_t>(mode);
+  f.out = static_cast<uint8_t*>(data->untyped_data());
+  f.sf_table = reinterpret_cast<const uint32_t*>(sf_table);
+  f.P = P;
+  f.sf_layout = static_cast<int32_t>(sf_layout);
+  f.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
+  f.status = static_cast<int32_t*>(status->untyped_data());
+  f.err = m.error_device;
+  f.rank = m.rank;
+  f.sm_count = st.sm_count;
+  cudaError_t ce = launch_engram_fetch(f, run_on);
+  if (ce != cudaSuccess) return cuda_failure(op, "launching the gather kernel", ce);
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf,
+                          ffi::AnyBuffer status, ffi::AnyBuffer indices, ffi::Result<ffi::AnyBuffer> data_out,
+                          ffi::Result<ffi::AnyBuffer> sf_out, int64_t ctx_id, int64_t overlap) {
+  (void)status;
+  (void)indices;
+  constexpr int32_t op = kOpEngramWait;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  if (data_out->size_bytes() != data.size_bytes() || sf_out->size_bytes() != sf.size_bytes())
+    return op_error(op, "results must have the sizes of the pending data and sf");
+  CudaDeviceGuard g(ordinal);
+  if (auto e = enter_device(m, op, g); !e.success()) return e;
+  CudaMemberState& st = cuda_state(m);
+  if (overlap && st.side_stream)
+    if (auto e = order_after(m, op, st.side_stream, stream, false); !e.success()) return e;
+  // input_output_aliases makes these the same buffers; copy only if XLA gave us distinct ones.
+  cudaError_t ce = cudaSuccess;
+  if (data_out->untyped_data() != data.untyped_data() && data.size_bytes())
+    ce = cudaMemcpyAsync(data_out->untyped_data(), data.untyped_data(), data.size_bytes(), cudaMemcpyDeviceToDevice,
+                         stream);
+  if (ce == cudaSuccess && sf_out->untyped_data() != sf.untyped_data() && sf.size_bytes())
+    ce = cudaMemcpyAsync(sf_out->untyped_data(), sf.untyped_data(), sf.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  if (ce != cudaSuccess) return cuda_failure(op, "copying the pending buffers", ce);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCuda, EngramWriteCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
+                                  .Arg<ffi::AnyBuffer>()  // storage [num_entries, hidden]
+                                  .Arg<ffi::AnyBuffer>()  // sf [total, P] or empty
+                                  .Ret<ffi::AnyBuffer>()  // token
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("alloc_id")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_entries")
+                                  .Attr<int64_t>("row_bytes")
+                                  .Attr<int64_t>("sf_alloc_id")
+                                  .Attr<int64_t>("sf_offset")
+                                  .Attr<int64_t>("sf_bytes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCuda, EngramFetchCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // indices int32 [T, E]
+                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
+                                  .Ret<ffi::AnyBuffer>()  // data [T, E*hidden]
+                                  .Ret<ffi::AnyBuffer>()  // sf (layout) or empty
+                                  .Ret<ffi::AnyBuffer>()  // status int32
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("alloc_id")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_entries")
+                                  .Attr<int64_t>("row_bytes")
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("sf_alloc_id")
+                                  .Attr<int64_t>("sf_offset")
+                                  .Attr<int64_t>("num_sf_packs")
+                                  .Attr<int64_t>("sf_layout")
+                                  .Attr<int64_t>("overlap"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCuda, EngramWaitCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // data (pending)
+                                  .Arg<ffi::AnyBuffer>()  // sf (pending)
+                                  .Arg<ffi::AnyBuffer>()  // status (pending)
+                                  .Arg<ffi::AnyBuffer>()  // indices (kept alive until here)
+                                  .Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
+                                  .Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("overlap"));
+
+static HandlerRegistrar reg_write("jax_engram_engram_write", reinterpret_cast<void*>(JeEngramWriteCuda));
+static HandlerRegistrar reg_fetch("jax_engram_engram_fetch", reinterpret_cast<void*>(JeEngramFetchCuda));
+static HandlerRegistrar reg_wait("jax_engram_engram_wait", reinterpret_cast<void*>(JeEngramWaitCuda));
+
+}  // namespace jax_engram

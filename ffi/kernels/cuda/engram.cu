@@ -1,0 +1,280 @@
+// Engram gather: rows read straight from the owner's memory (peer HBM over NVLink, or host-NUMA memory mapped
+// into this GPU's view) into the output; scale factors from the own replicated table.
+//
+// Work decomposition: the rows of a lookup are split into "units" of one vector (V = the widest power of two
+// <= 16 bytes dividing row_bytes, engram::vector_bytes), units = T*E*row_bytes/|V|, consecutive threads take
+// consecutive units (coalesced: a warp reads 512 contiguous bytes of a row when V is 16 bytes) and every thread
+// keeps kUnroll independent loads in flight (grid-stride). Nothing depends on T, E, hidden or num_entries at
+// compile time: divisions by the row length and by num_entries use precomputed multiply-shift divisors.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "jax_engram/engram_layout.h"
+#include "kernels/cuda/engram.cuh"
+#include "kernels/cuda/sync.cuh"
+
+namespace jax_engram {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+struct Params {
+  const int32_t* ids;
+  uint64_t units;          // n_rows * nvec
+  uint64_t n_rows;         // T * E
+  uint32_t nvec;           // vectors per row
+  engram::FastDiv div_nvec, div_entries;
+  bool fast;               // units and ids < 2^31: 32-bit multiply-shift divisions
+  int64_t total, num_entries, row_bytes, offset;
+  uint8_t* const* peers;
+  uint8_t* out;
+  int32_t mode;
+  const uint32_t* sf_table;
+  uint32_t* sf_out;
+  int64_t P, E, T, sf_cols;  // sf_cols = engram::sf_columns(T, layout)
+  int32_t sf_layout;
+  int32_t* status;
+};
+
+// ---- loads of a peer's / host memory ---------------------------------------------------------------------
+template <typename V, bool kVolatile>
+struct Load;
+template <bool kVolatile>
+struct Load<uint4, kVolatile> {
+  static JE_DEVICE uint4 run(const uint8_t* p) {
+    if (!kVolatile) return *reinterpret_cast<const uint4*>(p);
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+  }
+};
+template <bool kVolatile>
+struct Load<uint2, kVolatile> {
+  static JE_DEVICE uint2 run(const uint8_t* p) {
+    if (!kVolatile) return *reinterpret_cast<const uint2*>(p);
+    uint2 v;
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+    return v;
+  }
+};
+template <typename S, bool kVolatile>
+struct ScalarLoad {
+  static JE_DEVICE S run(const uint8_t* p) {
+    return kVolatile ? *reinterpret_cast<const volatile S*>(p) : *reinterpret_cast<const S*>(p);
+  }
+};
+template <bool kVolatile>
+struct Load<uint32_t, kVolatile> : ScalarLoad<uint32_t, kVolatile> {};
+template <bool kVolatile>
+struct Load<uint16_t, kVolatile> : ScalarLoad<uint16_t, kVolatile> {};
+template <bool kVolatile>
+struct Load<uint8_t, kVolatile> : ScalarLoad<uint8_t, kVolatile> {};
+
+// ---- the gather ------------------------------------------------------------------------------------------
+template <bool kFast>
+JE_DEVICE uint64_t div_units(const Params& p, uint64_t u) {
+  return kFast ? p.div_nvec.div(static_cast<uint32_t>(u)) : u / p.nvec;
+}
+template <bool kFast>
+JE_DEVICE int64_t div_entries(const Params& p, int64_t g) {
+  return kFast ? static_cast<int64_t>(p.div_entries.div(static_cast<uint32_t>(g))) : g / p.num_entries;
+}
+
+template <typename V, bool kVolatile, bool kFast>
+JE_DEVICE void gather_rows(const Params& p) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool checked = p.mode == engram::kModeChecked;
+  for (uint64_t base = first; base < p.units; base += stride * kUnroll) {
+    V v[kUnroll];
+    uint8_t* dst[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint64_t u = base + k * stride;
+      dst[k] = nullptr;
+      if (u >= p.units) continue;
+      const uint64_t row = div_units<kFast>(p, u);
+      const uint64_t vi = u - row * p.nvec;
+      const int32_t g = __ldg(p.ids + row);
+      bool oob;
+      const int64_t id = engram::resolve_id(g, p.total, p.mode, &oob);
+      if (checked && oob && vi == 0) atomicMin(p.status, static_cast<int32_t>(row));
+      dst[k] = p.out + row * p.row_bytes + vi * sizeof(V);
+      if (id >= 0) {
+        const int64_t owner = div_entries<kFast>(p, id);
+        const int64_t r = id - owner * p.num_entries;
+        const uint8_t* base_ptr = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.peers) + owner));
+        v[k] = Load<V, kVolatile>::run(base_ptr + p.offset + r * p.row_bytes + vi * sizeof(V));
+      } else {
+        v[k] = V{};
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k)
+      if (dst[k]) *reinterpret_cast<V*>(dst[k]) = v[k];
+  }
+}
+
+JE_DEVICE void gather_sf(const Params& p) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t n = p.n_rows * p.P;
+  const int64_t EP = p.E * p.P;
+  for (uint64_t w = first; w < n; w += stride) {
+    const int64_t row = static_cast<int64_t>(w / p.P), pk = static_cast<int64_t>(w % p.P);
+    const int64_t t = row / p.E, e = row % p.E;
+    bool oob;
+    const int64_t id = engram::resolve_id(__ldg(p.ids + row), p.total, p.mode, &oob);
+    p.sf_out[engram::sf_out_index(t, e * p.P + pk, p.T, EP, p.sf_layout)] = id < 0 ? 0u : __ldg(p.sf_table + id * p.P + pk);
+  }
+  // Token padding columns [T, align(T, 4)) of the column-major layout are zero.
+  const int64_t pad = p.sf_cols - p.T;
+  if (pad > 0) {
+    const uint64_t m = static_cast<uint64_t>(EP * pad);
+    for (uint64_t w = first; w < m; w += stride) {
+      const int64_t j = static_cast<int64_t>(w / pad), c = p.T + static_cast<int64_t>(w % pad);
+      p.sf_out[j * p.sf_cols + c] = 0u;
+    }
+  }
+}
+
+template <typename V, bool kVolatile>
+__global__ void __launch_bounds__(kThreads) engram_gather_kernel(Params p) {
+  if (p.mode != engram::kModeChecked && blockIdx.x == 0 && threadIdx.x == 0) *p.status = 0;
+  if (p.fast)
+    gather_rows<V, kVolatile, true>(p);
+  else
+    gather_rows<V, kVolatile, false>(p);
+  if (p.sf_table) gather_sf(p);
+}
+
+// Checked mode: after the gather, report the first out-of-range flat position (if any) in the error record.
+__global__ void engram_check_kernel(const int32_t* status, const int32_t* ids, int64_t total, ErrorRecord* err,
+                                    int32_t rank) {
+  const int32_t pos = *reinterpret_cast<const volatile int32_t*>(status);
+  if (pos == engram::kNoBadPosition) return;
+  cuda::record_error_device(err, kErrIdOutOfRange, kOpEngramFetch, rank, -1, total, ids[pos], 0, pos);
+}
+
+// Resident blocks per SM of a kernel instance (queried once; the grid never exceeds what runs at once, so the
+// grid-stride loop has no second wave).
+template <typename V, bool kVolatile>
+int resident_blocks_per_sm() {
+  static const int n = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, engram_gather_kernel<V, kVolatile>, kThreads, 0) !=
+            cudaSuccess ||
+        b < 1) {
+      cudaGetLastError();
+      b = 4;
+    }
+    return b;
+  }();
+  return n;
+}
+
+template <typename V, bool kVolatile>
+cudaError_t launch_instance(const Params& p, uint64_t want_blocks, int sm_count, int blocks_per_sm,
+                            cudaStream_t stream) {
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : resident_blocks_per_sm<V, kVolatile>();
+  const uint64_t cap = static_cast<uint64_t>(std::max(sm_count, 1)) * per_sm;
+  const unsigned grid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(want_blocks, cap)));
+  engram_gather_kernel<V, kVolatile><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename V>
+cudaError_t launch_typed(const Params& p, uint64_t want_blocks, int sm_count, const EngramTuning& t,
+                         cudaStream_t stream) {
+  return t.volatile_loads ? launch_instance<V, true>(p, want_blocks, sm_count, t.blocks_per_sm, stream)
+                          : launch_instance<V, false>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
+}
+
+int env_int(const char* name, int dflt, int lo, int hi) {
+  const char* s = std::getenv(name);
+  if (!s || !*s) return dflt;
+  int v = std::atoi(s);
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+}  // namespace
+
+const EngramTuning& engram_tuning() {
+  static const EngramTuning t = [] {
+    EngramTuning r;
+    r.blocks_per_sm = env_int("JAX_ENGRAM_ENGRAM_BLOCKS_PER_SM", 0, 0, 64);
+    const char* l = std::getenv("JAX_ENGRAM_ENGRAM_LOADS");
+    r.volatile_loads = !(l && std::strcmp(l, "plain") == 0);
+    return r;
+  }();
+  return t;
+}
+
+cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream) {
+  const int64_t n_rows = a.T * a.E;
+  const int vb = engram::vector_bytes(a.row_bytes);
+  Params p{};
+  p.ids = a.ids;
+  p.n_rows = static_cast<uint64_t>(n_rows);
+  p.nvec = static_cast<uint32_t>(a.row_bytes / vb);
+  p.units = p.n_rows * p.nvec;
+  p.total = static_cast<int64_t>(a.nranks) * a.num_entries;
+  p.fast = p.units < (1ull << 31) && p.total <= (1ll << 31);
+  p.div_nvec = engram::FastDiv(p.nvec);
+  p.div_entries = engram::FastDiv(static_cast<uint32_t>(a.num_entries));
+  p.num_entries = a.num_entries;
+  p.row_bytes = a.row_bytes;
+  p.offset = a.offset;
+  p.peers = a.peers;
+  p.out = a.out;
+  p.mode = a.mode;
+  p.sf_table = a.P > 0 ? a.sf_table : nullptr;
+  p.sf_out = a.sf_out;
+  p.P = a.P;
+  p.E = a.E;
+  p.T = a.T;
+  p.sf_layout = a.sf_layout;
+  p.sf_cols = engram::sf_columns(a.T, a.sf_layout);
+  p.status = a.status;
+  const bool checked = a.mode == engram::kModeChecked;
+  if (checked) {
+    // 0x7f7f7f7f = kNoBadPosition: larger than any flat position, lowered by atomicMin.
+    cudaError_t e = cudaMemsetAsync(a.status, 0x7f, sizeof(int32_t), stream);
+    if (e != cudaSuccess) return e;
+  }
+  if (n_rows == 0 && !(p.sf_table && p.sf_cols > p.T)) {
+    if (!checked) return cudaMemsetAsync(a.status, 0, sizeof(int32_t), stream);
+    return cudaSuccess;
+  }
+  const EngramTuning& tune = engram_tuning();
+  // One unit per thread while the grid fits on the GPU at once (lowest latency for small T); beyond that every
+  // thread loops with kUnroll loads in flight (bandwidth for large T).
+  const uint64_t work = std::max<uint64_t>(std::max<uint64_t>(p.units, p.n_rows * p.P), 1);
+  const uint64_t want = (work + kThreads - 1) / kThreads;
+  cudaError_t e;
+  switch (vb) {
+    case 16: e = launch_typed<uint4>(p, want, a.sm_count, tune, stream); break;
+    case 8: e = launch_typed<uint2>(p, want, a.sm_count, tune, stream); break;
+    case 4: e = launch_typed<uint32_t>(p, want, a.sm_count, tune, stream); break;
+    case 2: e = launch_typed<uint16_t>(p, want, a.sm_count, tune, stream); break;
+    default: e = launch_typed<uint8_t>(p, want, a.sm_count, tune, stream); break;
+  }
+  if (e != cudaSuccess || !checked) return e;
+  engram_check_kernel<<<1, 1, 0, stream>>>(a.status, a.ids, p.total, a.err, a.rank);
+  return cudaGetLastError();
+}
+
+cudaError_t engram_kernels_loadable() {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, engram_gather_kernel<uint4, true>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, engram_check_kernel);
+  if (e != cudaSuccess) cudaGetLastError();
+  return e;
+}
+
+}  // namespace jax_engram
