@@ -1,0 +1,115 @@
+// Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu): parameter blocks and launchers.
+// Plain C++ (no device code): included by handlers/cuda_ep.cc.
+//
+// Both ops are ONE cooperative launch of `num_sms` CTAs each (see ep_common.cuh for the protocol details):
+//   dispatch: layout (counting sort, grid barrier) -> own staging half; then warp-specialised: "stage" warps copy
+//             x/scales into staging chunk by chunk and publish per-CTA progress words, "pull" warps wait for the
+//             peers' layout words, build the receive tables and pull rows as soon as the peer staged their chunk.
+//   combine:  "stage" warps write the expert-side rows into the combine staging (progress words), "pull" warps
+//             reduce the source-side tokens from the peers' staging in ascending master-position order.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "jax_engram/ep_layout.h"
+#include "runtime/runtime.h"
+
+namespace jax_engram {
+
+// Window + staging region of one member, for the EP kernels.
+struct EpWindow {
+  uint8_t* const* ws_peers = nullptr;  // device array: window (allocation 0) base of every rank
+  uint8_t* ws_own = nullptr;
+  uint8_t* const* st_peers = nullptr;  // device array: staging allocation base of every rank
+  uint8_t* st_own = nullptr;
+  uint64_t st_offset = 0;              // staging region offset inside its allocation (same on every rank)
+  ErrorRecord* err = nullptr;
+  uint64_t timeout_ns = 0;
+  int32_t rank = 0, nranks = 0;
+};
+
+struct EpLaunch {
+  int num_ctas = 24;     // persistent grid (SMs used)
+  int stage_warps = 4;   // warps per CTA that stage (the rest pull); 1 <= stage_warps < kEpThreads/32
+};
+
+inline constexpr int kEpThreads = 512;  // threads per CTA of every EP kernel
+inline constexpr int kEpMaxCtas = 160;  // scratch arrays are sized for this many CTAs
+
+struct EpDispatchParams {
+  EpWindow w;
+  EpDispatchLayout L{};
+  int32_t M = 0, N = 0, K = 0, E = 0, A = 1;
+  int32_t expand = 0, zero_padding = 0;
+  int64_t rows = 0;        // rows of recv_x (R*M or ep_rows_expand)
+  int64_t x_bytes = 0;     // bytes per row of x / recv_x
+  int64_t sf_bytes = 0;    // bytes per row of x_scales / recv_x_scales (P*4, 0 = none)
+  // inputs
+  const uint8_t* x = nullptr;
+  const uint8_t* sf = nullptr;
+  const int32_t* topk = nullptr;   // [N, K] (non-cached)
+  const float* weights = nullptr;  // [N, K] or null
+  const int32_t* token = nullptr;
+  // cached-dispatch handle
+  const int32_t* h_meta = nullptr;         // [R*M, K+2]
+  const int32_t* h_psum_rank = nullptr;    // [R]
+  const int32_t* h_psum_expert = nullptr;  // [E_loc]
+  const int32_t* h_unaligned = nullptr;    // [E_loc]
+  // outputs
+  uint8_t* recv_x = nullptr;
+  uint8_t* recv_sf = nullptr;
+  int32_t* recv_topk = nullptr;    // non-expand [R*M, K] (non-cached) or null
+  float* recv_w = nullptr;         // non-expand [R*M, K] | expand [rows] | null
+  int32_t* psum_rank = nullptr;    // [R]           (non-cached)
+  int32_t* psum_expert = nullptr;  // [E_loc]
+  int32_t* unaligned = nullptr;    // [E_loc]
+  int32_t* meta = nullptr;         // [R*M, K+2]
+  int32_t* dst_row = nullptr;      // [N, R]
+  int32_t* num_recv = nullptr;     // []
+  int32_t* group_sizes = nullptr;  // [E_loc]
+  int32_t* token_out = nullptr;
+  // launch shape (filled by the launcher)
+  int32_t chunk = 8;         // tokens per staging chunk (same on every rank: from M, R and the CTA count)
+  int32_t layout_warps = 0;
+  int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
+};
+
+enum class EpDtype : int { kBF16 = 0, kF32 = 1 };
+
+struct EpCombineParams {
+  EpWindow w;
+  EpCombineLayout L{};
+  int32_t M = 0, N = 0, K = 0, E = 0, H = 0;
+  int32_t expand = 0;
+  int64_t rows = 0;         // rows of y
+  EpDtype dtype = EpDtype::kBF16;  // y, biases and combined_x
+  const uint8_t* y = nullptr;
+  const float* weights = nullptr;  // non-expand [R*M, K] | expand [rows] | null
+  const uint8_t* bias0 = nullptr;  // [N, H] or null
+  const uint8_t* bias1 = nullptr;
+  const int32_t* meta = nullptr;     // [R*M, K+2]
+  const int32_t* dst_row = nullptr;  // [N, R]
+  const int32_t* topk = nullptr;     // [N, K]
+  const int32_t* psum_rank = nullptr;  // [R]
+  const int32_t* token = nullptr;
+  uint8_t* out = nullptr;    // [N, H]
+  float* out_w = nullptr;    // [N, K] or null
+  int32_t* token_out = nullptr;
+  int32_t chunk = 8;         // rows per staging chunk (same on every rank: from M, R and the CTA count)
+};
+
+// Staging chunk (tokens / rows) for a config: small for few tokens (latency: every warp gets work), up to 32.
+inline int32_t ep_chunk(int64_t M, int64_t R, int64_t ctas) {
+  const int64_t c = M * R / (ctas * 24);
+  return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
+}
+
+// Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
+int64_t ep_dispatch_smem_bytes(int R, int E, int stage_warps, int* layout_warps, int* tables_offset);
+
+cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream);
+cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream);
+cudaError_t launch_ep_combine(const EpCombineParams& p, const EpLaunch& l, cudaStream_t stream);
+
+}  // namespace jax_engram

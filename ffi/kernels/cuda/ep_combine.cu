@@ -1,0 +1,403 @@
+// EP combine on CUDA: the pull protocol of docs/DESIGN.md (combine) with the offsets of ep_layout.h, one
+// cooperative launch of G = num_sms CTAs. Numerics bit-exact with deepep_v2_semantics.md §3.7-3.9 and the CPU
+// backend: every fp32 sum is a left fold from -0.0 in a fixed order, one rounding to the output dtype.
+//
+// CTA c of rank `me` (combine sequence number seq, staging half seq & 1):
+//   stage warps (expert side): received rows i < psum_rank[R-1] in chunks of `chunk` rows (chunk j staged by
+//     CTA j % G): non-expand y[i] as is; expand the fp32 sum over valid local k ascending of y[meta[i, 2+k]]
+//     rounded once (one valid k: copied, none: zeros); the weights row beside it. progress[half][c] after each
+//     chunk; the last CTA publishes own.combine_ready; CTA 0 then waits for every peer's ready >= seq and fails
+//     on a peer's bad word.
+//   pull warps (source side): own tokens t (chunks of `chunk` tokens, chunk j on CTA j % G, tokens spread over
+//     the pull warps): the master lanes of t's top-k (highest k per dest rank) in ascending lane order ARE the
+//     dest ranks in ascending master position; each master lane waits for its rank's progress on the chunk of
+//     dst_row[t, d], then acc = -0 (+ bias0) (+ bias1) + rows in that order, one rounding. A lone row without
+//     bias is copied; no row and no bias gives +0. combined_topk_weights[t, k] = staged weight k of the row on
+//     the rank owning expert k, 0 where masked.
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/ep_common.cuh"
+
+namespace jax_engram {
+namespace ep {
+namespace {
+
+JE_DEVICE float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+JE_DEVICE float to_f(float v) { return v; }
+template <typename T>
+JE_DEVICE T from_f(float v);
+template <>
+JE_DEVICE __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+JE_DEVICE float from_f<float>(float v) { return v; }
+
+template <typename T, typename V, int U>
+JE_DEVICE void add_units(float (&a)[U][sizeof(V) / sizeof(T)], const V (&v)[U]) {
+  constexpr int NE = sizeof(V) / sizeof(T);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+    for (int q = 0; q < NE; ++q) a[u][q] += to_f(e[q]);
+  }
+}
+
+// out = T(-0 (+ b0) (+ b1) + src(bit_0) + src(bit_1) + ...) over the set bits of `mask` ascending; the source of
+// bit b is `lane_src` of lane b. Loads of two sources are in flight together; the sum order is fixed.
+template <typename T, typename V, int U>
+__device__ __noinline__ void warp_reduce_v(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask,
+                                           const uint8_t* lane_src, int64_t nbytes, int lane) {
+  constexpr int NE = sizeof(V) / sizeof(T);
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t base = 0; base < n; base += 32 * U) {
+    float a[U][NE];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int q = 0; q < NE; ++q) a[u][q] = -0.0f;
+    for (const uint8_t* b : {b0, b1}) {
+      if (!b) continue;
+      V v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t idx = base + u * 32 + lane;
+        v[u] = idx < n ? reinterpret_cast<const V*>(b)[idx] : V{};
+      }
+      add_units<T, V, U>(a, v);
+    }
+    unsigned mm = mask;
+    while (mm) {
+      const int ba = __ffs(mm) - 1;
+      mm &= mm - 1;
+      const V* sa = reinterpret_cast<const V*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), ba));
+      const V* sb = nullptr;
+      if (mm) {
+        const int bb = __ffs(mm) - 1;
+        mm &= mm - 1;
+        sb = reinterpret_cast<const V*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), bb));
+      }
+      V va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t idx = base + u * 32 + lane;
+        va[u] = idx < n ? __ldcg(sa + idx) : V{};
+        vb[u] = (sb && idx < n) ? __ldcg(sb + idx) : V{};
+      }
+      add_units<T, V, U>(a, va);
+      if (sb) add_units<T, V, U>(a, vb);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      if (idx < n) {
+        V v;
+        T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+        for (int q = 0; q < NE; ++q) e[q] = from_f<T>(a[u][q]);
+        reinterpret_cast<V*>(out)[idx] = v;
+      }
+    }
+  }
+}
+
+template <typename T>
+JE_DEVICE void warp_reduce(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
+                           int64_t nbytes, int lane) {
+  uint64_t a = reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(b0) | reinterpret_cast<uint64_t>(b1) |
+               static_cast<uint64_t>(nbytes);
+  unsigned mm = mask;
+  while (mm) {
+    const int b = __ffs(mm) - 1;
+    mm &= mm - 1;
+    a |= __shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), b);
+  }
+  // 16-byte units, 2 per lane x 2 sources in flight (more spills at 128 registers/thread)
+  if ((a & 15) == 0)
+    warp_reduce_v<T, uint4, 2>(out, b0, b1, mask, lane_src, nbytes, lane);
+  else
+    warp_reduce_v<T, T, 4>(out, b0, b1, mask, lane_src, nbytes, lane);
+}
+
+// ---- asynchronous reduce: cp.async (16 B per lane, L2 only) into a per-warp ring of kSlots slots -------------
+// Terms (the rows to add, in order) are pointers in this warp's `terms` table. Items are (slice, term) pairs,
+// slice-major; kSlots - 1 items stay in flight while the oldest is added, so a warp keeps ~kSlots KB of loads
+// outstanding without holding them in registers (remote NVLink rows need that much to reach the link rate).
+inline constexpr int kRU = 2;                      // 16-byte units per lane per slot
+inline constexpr int kSlots = 8;                   // ring depth
+inline constexpr int kSlotUnits = 32 * kRU;        // uint4 per slot (1 KB)
+inline constexpr int kMaxTerms = 36;               // 2 biases + up to 32 ranks (+ padding)
+inline constexpr int kWarpSmem = kSlots * kSlotUnits * 16 + kMaxTerms * 8;  // bytes per warp
+
+JE_DEVICE void cp_async16(void* smem_dst, const void* gsrc) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
+}
+JE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+JE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+template <typename T>
+__device__ __noinline__ void warp_reduce_async(uint8_t* out, const uint8_t* const* terms, int nterms, int64_t nbytes,
+                                               uint4* ring, int lane) {
+  constexpr int NE = 16 / sizeof(T);
+  const int64_t n = nbytes / 16;
+  const int nslices = static_cast<int>((n + kSlotUnits - 1) / kSlotUnits);
+  const int total = nslices * nterms;
+  auto issue = [&](int item) {
+    if (item < total) {
+      const int sl = item / nterms, q = item % nterms;
+      const uint4* src = reinterpret_cast<const uint4*>(terms[q]);
+      uint4* slot = ring + (item % kSlots) * kSlotUnits;
+#pragma unroll
+      for (int u = 0; u < kRU; ++u) {
+        const int64_t idx = static_cast<int64_t>(sl) * kSlotUnits + u * 32 + lane;
+        if (idx < n) cp_async16(slot + u * 32 + lane, src + idx);
+      }
+    }
+    cp_async_commit();  // empty groups keep "kSlots groups ahead" exact
+  };
+#pragma unroll 1
+  for (int i = 0; i < kSlots; ++i) issue(i);
+  float acc[kRU][NE];
+#pragma unroll 1
+  for (int item = 0; item < total; ++item) {
+    cp_async_wait<kSlots - 1>();
+    const int sl = item / nterms, q = item % nterms;
+    const uint4* slot = ring + (item % kSlots) * kSlotUnits;
+    if (q == 0) {
+#pragma unroll
+      for (int u = 0; u < kRU; ++u)
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[u][e] = -0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRU; ++u) {
+      const uint4 v = slot[u * 32 + lane];  // this lane's own cp.async destination: no warp sync needed
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < NE; ++k) acc[u][k] += to_f(e[k]);
+    }
+    if (q == nterms - 1) {
+#pragma unroll
+      for (int u = 0; u < kRU; ++u) {
+        const int64_t idx = static_cast<int64_t>(sl) * kSlotUnits + u * 32 + lane;
+        if (idx < n) {
+          uint4 v;
+          T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+          for (int k = 0; k < NE; ++k) e[k] = from_f<T>(acc[u][k]);
+          reinterpret_cast<uint4*>(out)[idx] = v;
+        }
+      }
+    }
+    issue(item + kSlots);  // the slot just read is refilled only after its values were consumed above
+  }
+  cp_async_wait<0>();
+}
+
+// Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out:
+// the async engine when every pointer is 16-byte aligned, else the register version.
+template <typename T>
+JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
+                        int64_t nbytes, uint4* ring, const uint8_t** terms, int lane) {
+  const int nb = (b0 ? 1 : 0) + (b1 ? 1 : 0);
+  const bool mine = (mask >> lane) & 1u;
+  const unsigned bits = static_cast<unsigned>(
+      (reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(b0) | reinterpret_cast<uint64_t>(b1) |
+       static_cast<uint64_t>(nbytes) | (mine ? reinterpret_cast<uint64_t>(lane_src) : 0)) & 15);
+  if (__reduce_or_sync(kFull, bits) != 0) {
+    warp_reduce<T>(out, b0, b1, mask, lane_src, nbytes, lane);
+    return;
+  }
+  __syncwarp();  // the previous call's readers of `terms` are done
+  if (lane == 0 && b0) terms[0] = b0;
+  if (lane == 0 && b1) terms[nb - 1] = b1;
+  if (mine) terms[nb + __popc(mask & lanemask_lt())] = lane_src;
+  __syncwarp();
+  warp_reduce_async<T>(out, terms, nb + __popc(mask), nbytes, ring, lane);
+}
+
+JE_DEVICE uint64_t* progress(uint8_t* ws, int half, int c) {
+  return ws_u64(ws, EpScratch::kCombineProgress + 8ull * (half * kEpMaxCtas + c));
+}
+
+JE_DEVICE void mark_bad(const EpCombineParams& p, uint64_t seq, int64_t detail, int64_t value) {
+  uint8_t* ws = p.w.ws_own;
+  *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kCombineBadDetail) = detail;
+  *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kCombineBadValue) = value;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint64_t*>(ws_u64(ws, EpWorkspace::kCombineBad)) = seq;
+  cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, p.w.rank, p.w.rank, 0, value, 0, detail);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineParams p, int SW) {
+  extern __shared__ __align__(16) uint8_t csmem[];
+  __shared__ uint64_t sh_seq;
+  __shared__ int sh_next;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = gridDim.x, c = blockIdx.x;
+  const int R = p.w.nranks, me = p.w.rank;
+  const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R;
+  uint8_t* ws = p.w.ws_own;
+  if (tid == 0) {
+    sh_seq = enter_seq(ws, EpWorkspace::kCombineSeq, EpScratch::kCombineArrive);
+    sh_next = 0;
+    if (c == 0 && p.token_out) *p.token_out = *p.token;
+  }
+  __syncthreads();
+  const uint64_t seq = sh_seq;
+  const int half = static_cast<int>(seq & 1);
+  const uint64_t hoff = p.w.st_offset + p.L.half(seq);
+  uint4* ring = reinterpret_cast<uint4*>(csmem + warp * kWarpSmem);
+  const uint8_t** terms = reinterpret_cast<const uint8_t**>(csmem + warp * kWarpSmem + kSlots * kSlotUnits * 16);
+  const int64_t row_bytes = static_cast<int64_t>(p.H) * sizeof(T);
+  const int CH = p.chunk;
+  const int rows_tok = R * M;
+
+  if (warp < SW) {
+    // ---- stage warps (expert side) ------------------------------------------------------------------------------
+    uint8_t* st_y = p.w.st_own + hoff + p.L.y();
+    float* st_w = reinterpret_cast<float*>(p.w.st_own + hoff + p.L.weights());
+    int num_recv = p.psum_rank[R - 1];
+    if (num_recv < 0 || num_recv > rows_tok) {
+      if (c == 0 && tid == 0) mark_bad(p, seq, ep_bad_detail(0, kEpBadHandle), num_recv);
+      num_recv = 0;
+    }
+    const int nch = (num_recv + CH - 1) / CH;
+    int li = 0;
+    for (int j = c; j < nch; j += G, ++li) {
+      const int ie = min(j * CH + CH, num_recv);
+      for (int i = j * CH + warp; i < ie; i += SW) {
+        uint8_t* dst = st_y + static_cast<int64_t>(i) * p.L.y_row;
+        if (!p.expand) {
+          warp_copy1(p.y + i * row_bytes, dst, row_bytes, lane);
+          if (p.weights && lane < K)
+            st_w[static_cast<int64_t>(i) * K + lane] = p.weights[static_cast<int64_t>(i) * K + lane];
+          continue;
+        }
+        int64_t r = lane < K ? p.meta[static_cast<int64_t>(i) * (K + 2) + 2 + lane] : -1;
+        if (r >= p.rows) {
+          mark_bad(p, seq, ep_bad_detail(i, kEpBadHandle), r);
+          r = -1;
+        }
+        const unsigned vm = __ballot_sync(kFull, r >= 0);
+        const uint8_t* src = r >= 0 ? p.y + r * row_bytes : nullptr;
+        if (vm == 0) {
+          warp_zero(dst, 0, 0, row_bytes, lane);
+        } else if (__popc(vm) == 1) {
+          warp_copy1(reinterpret_cast<const uint8_t*>(
+                         __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(vm) - 1)),
+                     dst, row_bytes, lane);
+        } else {
+          warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, ring, terms, lane);
+        }
+        if (p.weights && lane < K) st_w[static_cast<int64_t>(i) * K + lane] = r >= 0 ? p.weights[r] : 0.0f;
+      }
+      bar_sync(1, SW * 32);
+      if (tid == 0) {
+        __threadfence_system();
+        st_release_sys_u64(progress(ws, half, c), progress_value(seq, li + 1));
+      }
+    }
+    bar_sync(1, SW * 32);
+    if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
+    if (c == 0) {  // a call ends only after every peer published its ready (ep_layout.h)
+      for (int s = tid; s < R; s += SW * 32) {
+        const uint8_t* pws = p.w.ws_peers[s];
+        if (!wait_ge(ws_u64(pws, EpWorkspace::kCombineReady), seq, p.w, kOpEpCombine, s)) continue;
+        if (s != me && cuda::ld_acquire_sys(ws_u64(pws, EpWorkspace::kCombineBad)) == seq)
+          cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, me, s, 0,
+                                    __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kCombineBadValue)),
+                                    0, __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kCombineBadDetail)));
+      }
+    }
+    return;
+  }
+
+  // ---- pull warps (source side) ---------------------------------------------------------------------------------
+  const int nch = (N + CH - 1) / CH;
+  const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
+  for (;;) {  // tokens handed out dynamically over the pull warps
+    int it = 0;
+    if (lane == 0) it = atomicAdd(&sh_next, 1);
+    it = __shfl_sync(kFull, it, 0);
+    if (it >= nloc * CH) break;
+    const int t = (c + (it / CH) * G) * CH + it % CH;
+    if (t >= N) continue;
+    const int64_t tK = static_cast<int64_t>(t) * K;
+    const int id = lane < K ? p.topk[tK + lane] : -1;
+    const bool valid = id >= 0 && id < E;
+    const int d = valid ? id / E_loc : -1;
+    int row = valid ? p.dst_row[static_cast<int64_t>(t) * R + d] : -1;
+    if (row >= rows_tok) {
+      cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, me, me, 0, row, 0,
+                                ep_bad_detail(t, kEpBadHandle));
+      row = -1;
+    }
+    const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+    const bool master = valid && 31 - __clz(sd) == lane && row >= 0;
+    const unsigned mm = __ballot_sync(kFull, master);
+    int okw = 1;
+    if (master) {
+      const int j = row / CH;
+      okw = wait_ge(progress(p.w.ws_peers[d], half, j % G), progress_value(seq, j / G + 1), p.w, kOpEpCombine, d);
+    }
+    if (!__all_sync(kFull, okw)) return;
+    __syncwarp();
+    const uint8_t* src = master ? p.w.st_peers[d] + hoff + p.L.y() + static_cast<int64_t>(row) * p.L.y_row : nullptr;
+    uint8_t* out = p.out + t * row_bytes;
+    const uint8_t* b0 = p.bias0 ? p.bias0 + t * row_bytes : nullptr;
+    const uint8_t* b1 = p.bias1 ? p.bias1 + t * row_bytes : nullptr;
+    if (p.out_w && lane < K) {  // issued before the row: consumed after it
+      float v = 0.0f;
+      if (valid && row >= 0)
+        v = __ldcg(reinterpret_cast<const float*>(p.w.st_peers[d] + hoff + p.L.weights()) +
+                   static_cast<int64_t>(row) * K + lane);
+      p.out_w[tK + lane] = v;
+    }
+    if (!b0 && !b1 && mm == 0) {
+      warp_zero(out, 0, 0, row_bytes, lane);
+    } else if (!b0 && !b1 && __popc(mm) == 1) {  // -0.0 + v == v: a lone term is returned unchanged
+      warp_copy1(reinterpret_cast<const uint8_t*>(
+                     __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(mm) - 1)),
+                 out, row_bytes, lane);
+    } else {
+      warp_sum<T>(out, b0, b1, mm, src, row_bytes, ring, terms, lane);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ep
+
+cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cudaStream_t stream) {
+  if (l.num_ctas < 1 || l.num_ctas > kEpMaxCtas || l.stage_warps < 1 || l.stage_warps >= kEpThreads / 32)
+    return cudaErrorInvalidValue;
+  EpCombineParams p = p0;
+  p.chunk = ep_chunk(p.M, p.w.nranks, l.num_ctas);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(l.num_ctas);
+  cfg.blockDim = dim3(kEpThreads);
+  const int smem = (kEpThreads / 32) * ep::kWarpSmem;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int sw = l.stage_warps;
+  cudaError_t e;
+  if (p.dtype == EpDtype::kBF16)
+    e = cudaFuncSetAttribute(ep::combine_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  else
+    e = cudaFuncSetAttribute(ep::combine_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  e = p.dtype == EpDtype::kBF16 ? cudaLaunchKernelEx(&cfg, ep::combine_kernel<__nv_bfloat16>, p, sw)
+                                            : cudaLaunchKernelEx(&cfg, ep::combine_kernel<float>, p, sw);
+  if (e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+}  // namespace jax_engram

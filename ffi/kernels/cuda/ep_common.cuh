@@ -1,0 +1,214 @@
+// Device helpers shared by the CUDA EP kernels, and the CUDA-ONLY part of the EP protocol.
+//
+// CUDA-only control words (not in ep_layout.h, which both backends share): they live in the free part of the
+// workspace EP block (after EpWorkspace::kEnd, "CUDA scratch" there) and let receivers start pulling before a
+// peer finished staging. Everything in ep_layout.h is still honoured: staging halves by seq parity, the same
+// staging sections, own.<op>_seq, own.<op>_bad/_detail/_value before own.<op>_ready = seq (release), and every
+// call waits for every peer's ready >= seq before it ends (the two-halves argument of ep_layout.h).
+//
+//   layout flag [half][cta]   dispatch: = seq once CTA `cta` wrote its tokens' routing/positions (CTA 0 also
+//                             counts/exp_counts/bad) into the half (release.sys). Receivers wait for all G.
+//   progress    [half][cta]   = (seq << 32) | n once CTA `cta` staged its first n chunks of the call (dispatch:
+//                             chunk j = tokens [j*chunk, ...), staged by CTA j % G as its (j / G)-th;
+//                             combine: the same over received token rows; chunk = ep_chunk(M, R, G)). Values only grow
+//                             (seq grows), so no reset is needed.
+//   arrive / staged counters  own-memory atomicInc(G-1) counters: the last CTA to read the seq writes it back,
+//                             the last CTA to finish staging publishes ready.
+//   grid barrier, per-CTA counts and first-bad keys of the dispatch layout (own memory).
+// All ranks of a context launch the same number of CTAs (the num_sms attribute is the same in the SPMD program).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "jax_engram/ep_layout.h"
+#include "kernels/cuda/ep.h"
+#include "kernels/cuda/sync.cuh"
+
+namespace jax_engram::ep {
+
+inline constexpr unsigned kFull = 0xffffffffu;
+
+struct EpScratch {
+  static constexpr uint64_t kBase = align_up(EpWorkspace::kEnd, 4096);
+  static constexpr uint64_t kGridBar = kBase;              // u32 count, u32 generation (dispatch layout)
+  static constexpr uint64_t kDispatchArrive = kBase + 128;  // u32
+  static constexpr uint64_t kDispatchStaged = kBase + 256;  // u32
+  static constexpr uint64_t kCombineArrive = kBase + 384;   // u32
+  static constexpr uint64_t kCombineStaged = kBase + 512;   // u32
+  static constexpr uint64_t kDispatchLayoutFlag = kBase + 4096;                        // u64[2][kEpMaxCtas]
+  static constexpr uint64_t kDispatchProgress = kDispatchLayoutFlag + 16 * kEpMaxCtas;  // u64[2][kEpMaxCtas]
+  static constexpr uint64_t kCombineProgress = kDispatchProgress + 16 * kEpMaxCtas;     // u64[2][kEpMaxCtas]
+  static constexpr uint64_t kCtaBad = kCombineProgress + 16 * kEpMaxCtas;               // u64[kEpMaxCtas]
+  static constexpr uint64_t kCtaCounts = align_up(kCtaBad + 8 * kEpMaxCtas, 4096);      // i32[G][R+E]
+  static constexpr uint64_t kEnd = kCtaCounts + 4ull * kEpMaxCtas * (kMaxRanks + kEpMaxExperts);
+};
+static_assert(EpScratch::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBytes, "EP CUDA scratch overflow");
+
+JE_DEVICE uint64_t* ws_u64(uint8_t* base, uint64_t off) { return reinterpret_cast<uint64_t*>(base + off); }
+JE_DEVICE const uint64_t* ws_u64(const uint8_t* base, uint64_t off) {
+  return reinterpret_cast<const uint64_t*>(base + off);
+}
+
+JE_DEVICE void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+JE_DEVICE uint64_t ld_volatile_u64(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
+
+// Named barriers (id 0 is __syncthreads). `count` threads, a multiple of 32.
+JE_DEVICE void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+JE_DEVICE void bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+
+JE_DEVICE unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// The sequence number of this call, read by every CTA at entry; the LAST CTA to read it writes seq back
+// (own.<op>_seq = seq), so no CTA can see the new value. Called by thread 0 only.
+JE_DEVICE uint64_t enter_seq(uint8_t* ws, uint64_t seq_off, uint64_t arrive_off) {
+  uint64_t* p = ws_u64(ws, seq_off);
+  const uint64_t seq = ld_volatile_u64(p) + 1;
+  __threadfence();
+  if (atomicInc(reinterpret_cast<unsigned*>(ws + arrive_off), gridDim.x - 1) == gridDim.x - 1)
+    *reinterpret_cast<volatile uint64_t*>(p) = seq;
+  return seq;
+}
+
+// Marks the end of this CTA's staging; the last CTA publishes own.<op>_ready = seq (release, system scope).
+// Called by one thread, after a barrier over every thread that wrote staging data.
+JE_DEVICE void staged_arrive(uint8_t* ws, uint64_t staged_off, uint64_t ready_off, uint64_t seq) {
+  __threadfence_system();
+  if (atomicInc(reinterpret_cast<unsigned*>(ws + staged_off), gridDim.x - 1) == gridDim.x - 1) {
+    __threadfence_system();
+    st_release_sys_u64(ws_u64(ws, ready_off), seq);
+  }
+}
+
+// Grid barrier of a cooperative launch (all CTAs co-resident). Own-memory counter + generation; leaves the
+// counter at 0. Bounded by the context timeout (a failure is recorded; it cannot happen with a cooperative
+// launch). Returns false on timeout.
+JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op) {
+  __shared__ int sh_ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = reinterpret_cast<unsigned*>(ws + EpScratch::kGridBar);
+    volatile unsigned* gen = reinterpret_cast<volatile unsigned*>(ws + EpScratch::kGridBar + 4);
+    const unsigned g = *gen;
+    int ok = 1;
+    __threadfence();
+    if (atomicAdd(count, 1u) == gridDim.x - 1) {
+      *reinterpret_cast<volatile unsigned*>(count) = 0;
+      __threadfence();
+      atomicAdd(const_cast<unsigned*>(gen), 1u);
+    } else {
+      const uint64_t start = cuda::globaltimer_ns();
+      while (*gen == g) {
+        if (cuda::globaltimer_ns() - start > w.timeout_ns) {
+          cuda::record_error_device(w.err, kErrTimeout, op, w.rank, w.rank, gridDim.x, *count,
+                                    cuda::globaltimer_ns() - start, -1);
+          ok = 0;
+          break;
+        }
+      }
+    }
+    __threadfence();
+    sh_ok = ok;
+  }
+  __syncthreads();
+  return sh_ok != 0;
+}
+
+// Bounded wait by ONE thread for *p >= target (p may be a peer's word); records a timeout against `peer`.
+JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, int32_t op, int32_t peer) {
+  SyncArgs s;  // only the fields wait_at_least reads
+  s.err = w.err;
+  s.timeout_ns = w.timeout_ns;
+  s.rank = w.rank;
+  s.nranks = w.nranks;
+  s.op = op;
+  return cuda::wait_at_least(p, target, s, peer);
+}
+
+JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32) | n; }
+
+// ------------------------------------------------------------------------------------------------------------
+// Warp copies. Loads go through L2 (ld.global.cg: never a stale L1 line for staging memory other CTAs or GPUs
+// wrote). V is the access width, chosen at run time from the alignment of every pointer and stride.
+template <typename V>
+JE_DEVICE V ld_cg(const V* p) {
+  return __ldcg(p);
+}
+
+// Copies `nbytes` from src to the rows `row(b)` (b = set bits of `mask`, row value broadcast from lane b of
+// `row_val`) of dst_base with stride `dst_stride`. All 32 lanes call it with the same arguments.
+template <typename V, int U>
+__device__ __noinline__ void warp_copy_v(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst_base, int64_t dst_stride,
+                           unsigned mask, int64_t row_val, int64_t nbytes, int lane) {
+  const V* s = reinterpret_cast<const V*>(src);
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t base = 0; base < n; base += 32 * U) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      if (idx < n) v[u] = ld_cg(s + idx);
+    }
+    unsigned mm = mask;
+    while (mm) {
+      const int b = __ffs(mm) - 1;
+      mm &= mm - 1;
+      const int64_t row = __shfl_sync(kFull, row_val, b);
+      V* d = reinterpret_cast<V*>(dst_base + row * dst_stride);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t idx = base + u * 32 + lane;
+        if (idx < n) d[idx] = v[u];
+      }
+    }
+  }
+}
+
+JE_DEVICE int access_width(const void* src, const void* dst, int64_t stride, int64_t nbytes) {
+  const uint64_t a = reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(dst) |
+                     static_cast<uint64_t>(stride) | static_cast<uint64_t>(nbytes);
+  if ((a & 15) == 0) return 16;
+  if ((a & 7) == 0) return 8;
+  if ((a & 3) == 0) return 4;
+  if ((a & 1) == 0) return 2;
+  return 1;
+}
+
+JE_DEVICE void warp_copy(const uint8_t* src, uint8_t* dst_base, int64_t dst_stride, unsigned mask, int64_t row_val,
+                         int64_t nbytes, int lane) {
+  if (nbytes <= 0 || mask == 0) return;
+  switch (access_width(src, dst_base, dst_stride, nbytes)) {
+    case 16: warp_copy_v<uint4, 16>(src, dst_base, dst_stride, mask, row_val, nbytes, lane); break;
+    case 8: warp_copy_v<uint2, 4>(src, dst_base, dst_stride, mask, row_val, nbytes, lane); break;
+    case 4: warp_copy_v<unsigned, 4>(src, dst_base, dst_stride, mask, row_val, nbytes, lane); break;
+    case 2: warp_copy_v<unsigned short, 4>(src, dst_base, dst_stride, mask, row_val, nbytes, lane); break;
+    default: warp_copy_v<unsigned char, 4>(src, dst_base, dst_stride, mask, row_val, nbytes, lane); break;
+  }
+}
+
+// One row src -> dst.
+JE_DEVICE void warp_copy1(const uint8_t* src, uint8_t* dst, int64_t nbytes, int lane) {
+  warp_copy(src, dst, 0, 1u, 0, nbytes, lane);
+}
+
+// Zeroes the rows of `mask` (as above).
+JE_DEVICE void warp_zero(uint8_t* dst_base, int64_t dst_stride, int64_t row, int64_t nbytes, int lane) {
+  uint8_t* d = dst_base + row * dst_stride;
+  const uint64_t a = reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(nbytes);
+  if ((a & 15) == 0) {
+    for (int64_t i = lane; i < nbytes / 16; i += 32) reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
+  } else if ((a & 3) == 0) {
+    for (int64_t i = lane; i < nbytes / 4; i += 32) reinterpret_cast<unsigned*>(d)[i] = 0u;
+  } else {
+    for (int64_t i = lane; i < nbytes; i += 32) d[i] = 0;
+  }
+}
+
+}  // namespace jax_engram::ep

@@ -1,0 +1,622 @@
+// EP dispatch and cached dispatch on CUDA: the pull protocol of docs/DESIGN.md with the offsets of ep_layout.h,
+// one cooperative launch of G = num_sms CTAs (kEpThreads threads each). See ep_common.cuh for the CUDA-only
+// control words (layout flags, per-CTA staging progress).
+//
+// Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1):
+//   1. Layout (all warps): tokens [c*ceil(M/G), ...) split over the layout warps; pass 1 counts per dest rank
+//      (a token once per rank) and per expert into per-warp shared counters and finds the first bad (t, k);
+//      per-CTA totals -> scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); pass 2
+//      walks the tokens again in order and hands out positions (atomicAdd on the warp's own counters, so the
+//      order inside a warp is the token order). Writes topk_idx, weights, pos_rank, pos_exp (rows >= N: -1);
+//      CTA 0 writes counts / exp_counts and the bad words. Publishes layout flag[half][c] = seq.
+//   2. Stage warps: copy x (and scales) rows of token chunk j = c, c+G, ... into the staging half; after each
+//      chunk progress[half][c] = (seq << 32) | chunks done. The last CTA done publishes own.dispatch_ready.
+//      Then (tables ready): dst_row of the CTA's layout tokens, zero padding rows, CTA 0 the count outputs, and
+//      CTA 0 waits for every peer's ready >= seq (ep_layout.h: a call ends only after every peer published).
+//   3. Pull warps: wait for every peer's G layout flags, fail on a peer's bad word, build the receive tables
+//      (psum over source ranks, per local expert start / per-source offsets) in shared memory, then for each
+//      (chunk j of this CTA, source s) -- own rank first, then me+1, me+2, ... so that both NVLink directions
+//      are busy at once -- read the chunk's pos_rank column for `me`, wait for s's progress on chunk j (not
+//      for own rows: those come straight from x), and copy each received row with 16-byte loads into its
+//      final place(s), writing metadata / topk / weights beside it.
+// Cached dispatch: no layout; stage warps stage x, scales and weights; pull warps walk the handle's metadata
+// (rows i < psum_rank[R-1]) and pull (s, t) = divmod(meta[i, 0], M) into row i / the expand rows meta[i, 2+k].
+#include <algorithm>
+#include <climits>
+
+#include "kernels/cuda/ep_common.cuh"
+
+namespace jax_engram {
+namespace ep {
+namespace {
+
+// Receive tables in dynamic shared memory (after the layout counters).
+struct Tables {
+  int* psum_excl;  // [R + 1] region start of source s; [R] = num_recv
+  int* base_dst;   // [R]     sum_{s < me} counts_s[d]   (dst_row)
+  int* cnt_e;      // [E_loc] count[e]
+  int* start_e;    // [E_loc] start[e]
+  int* padpre;     // [E_loc + 1] prefix of padding rows
+  int* off;        // [R * E_loc] offset of source s inside segment e
+};
+
+JE_DEVICE Tables tables_at(uint8_t* smem, int offset, int R, int E_loc) {
+  Tables t;
+  int* b = reinterpret_cast<int*>(smem + offset);
+  t.psum_excl = b;
+  t.base_dst = t.psum_excl + R + 1;
+  t.cnt_e = t.base_dst + R;
+  t.start_e = t.cnt_e + E_loc;
+  t.padpre = t.start_e + E_loc;
+  t.off = t.padpre + E_loc + 1;
+  return t;
+}
+
+int tables_bytes(int R, int E_loc) { return (2 * R + 1 + 3 * E_loc + 1 + R * E_loc) * 4; }
+
+// Staging half of rank s (or own).
+struct Half {
+  int32_t* counts;
+  int32_t* exp_counts;
+  int32_t* topk;
+  float* w;
+  int32_t* pos_rank;
+  int32_t* pos_exp;
+  uint8_t* x;
+  uint8_t* sf;
+};
+
+JE_DEVICE Half half_at(uint8_t* h, const EpDispatchLayout& L) {
+  Half r;
+  r.counts = reinterpret_cast<int32_t*>(h + L.counts());
+  r.exp_counts = reinterpret_cast<int32_t*>(h + L.exp_counts());
+  r.topk = reinterpret_cast<int32_t*>(h + L.topk_idx());
+  r.w = reinterpret_cast<float*>(h + L.weights());
+  r.pos_rank = reinterpret_cast<int32_t*>(h + L.pos_rank());
+  r.pos_exp = reinterpret_cast<int32_t*>(h + L.pos_exp());
+  r.x = h + L.x();
+  r.sf = h + L.scales();
+  return r;
+}
+
+JE_DEVICE uint64_t* layout_flag(uint8_t* ws, int half, int c) {
+  return ws_u64(ws, EpScratch::kDispatchLayoutFlag + 8ull * (half * kEpMaxCtas + c));
+}
+JE_DEVICE uint64_t* progress(uint8_t* ws, int half, int c) {
+  return ws_u64(ws, EpScratch::kDispatchProgress + 8ull * (half * kEpMaxCtas + c));
+}
+
+// Stage warps: x / scales (and, cached, weights) rows of this CTA's chunks into the own half; progress words.
+JE_DEVICE void stage_payload(const EpDispatchParams& p, const Half& own, uint8_t* ws, uint64_t seq, int SW,
+                             bool weights_too) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, c = blockIdx.x;
+  const int half = static_cast<int>(seq & 1);
+  const int CH = p.chunk;
+  const int nch = (p.N + CH - 1) / CH;
+  int li = 0;
+  for (int j = c; j < nch; j += G, ++li) {
+    const int tb = j * CH, te = min(tb + CH, p.N);
+    for (int t = tb + warp; t < te; t += SW) {
+      warp_copy1(p.x + t * p.x_bytes, own.x + t * p.L.x_row, p.x_bytes, lane);
+      if (p.sf_bytes) warp_copy1(p.sf + t * p.sf_bytes, own.sf + t * p.L.sf_row, p.sf_bytes, lane);
+      if (weights_too && p.weights && lane < p.K)
+        own.w[static_cast<int64_t>(t) * p.K + lane] = p.weights[static_cast<int64_t>(t) * p.K + lane];
+    }
+    bar_sync(1, SW * 32);
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      st_release_sys_u64(progress(ws, half, c), progress_value(seq, li + 1));
+    }
+  }
+}
+
+// Waits (lane 0) for source s's staging of the chunk holding token t. Returns false on timeout (recorded).
+JE_DEVICE bool wait_chunk(const EpDispatchParams& p, int s, int t, uint64_t seq, int lane) {
+  int ok = 1;
+  if (lane == 0) {
+    const int j = t / p.chunk, G = gridDim.x;
+    ok = wait_ge(progress(p.w.ws_peers[s], static_cast<int>(seq & 1), j % G), progress_value(seq, j / G + 1), p.w,
+                 kOpEpDispatch, s);
+  }
+  ok = __shfl_sync(kFull, ok, 0);
+  __syncwarp();
+  return ok != 0;
+}
+
+// Zero padding rows of the expand layout: rows [start+count, start+align(count, A)) of every local expert,
+// spread over every stage warp of the grid.
+JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, int E_loc, int SW) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int total = tb.padpre[E_loc];
+  for (int q = blockIdx.x * SW + warp; q < total; q += gridDim.x * SW) {
+    int lo = 0, hi = E_loc - 1;  // last e with padpre[e] <= q
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tb.padpre[mid] <= q) lo = mid; else hi = mid - 1;
+    }
+    const int64_t row = static_cast<int64_t>(tb.start_e[lo]) + tb.cnt_e[lo] + (q - tb.padpre[lo]);
+    if (row >= p.rows) continue;
+    warp_zero(p.recv_x, p.x_bytes, row, p.x_bytes, lane);
+    if (p.sf_bytes) warp_zero(p.recv_sf, p.sf_bytes, row, p.sf_bytes, lane);
+    if (p.recv_w && lane == 0) p.recv_w[row] = 0.0f;
+  }
+}
+
+// Padding prefix from cnt_e / start_e (one thread).
+JE_DEVICE void build_padpre(const Tables& tb, int E_loc, int A) {
+  tb.padpre[0] = 0;
+  for (int e = 0; e < E_loc; ++e)
+    tb.padpre[e + 1] = tb.padpre[e] + static_cast<int>(ep_align(tb.cnt_e[e], A) - tb.cnt_e[e]);
+}
+
+// One received token (s, t) -> non-expand row i (and its expand rows). Whole warp.
+JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Half& hs, int s, int t, int i,
+                          int E_loc, int lane) {
+  const int me = p.w.rank, K = p.K, M = p.M;
+  const bool self = s == me;
+  const int64_t tK = static_cast<int64_t>(t) * K;
+  const uint8_t* src_x = self ? p.x + t * p.x_bytes : hs.x + t * p.L.x_row;
+  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : hs.sf + t * p.L.sf_row;
+  int id = -1, pe = -1;  // routing loads are issued first; non-expand consumes them after the row copy
+  float wv = 0.0f;
+  if (lane < K) {
+    id = self ? p.topk[tK + lane] : __ldcg(hs.topk + tK + lane);
+    if (p.recv_w) wv = self ? p.weights[tK + lane] : __ldcg(hs.w + tK + lane);
+    if (p.expand) pe = __ldcg(hs.pos_exp + tK + lane);
+  }
+  if (!p.expand) {  // destination known: the row does not wait for the routing round trip
+    warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
+    if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
+  }
+  const bool local = id >= 0 && id / E_loc == me;
+  const unsigned lm = __ballot_sync(kFull, local);
+  const int master = lm ? 31 - __clz(lm) : -1;
+  int32_t* mrow = p.meta + static_cast<int64_t>(i) * (K + 2);
+  if (lane == 0) mrow[0] = ep_meta_gid(s, t, M);
+  if (lane == 1) mrow[1] = ep_meta_rank_k(s, master, K);
+  if (!p.expand) {
+    if (lane < K) {
+      mrow[2 + lane] = -1;
+      p.recv_topk[static_cast<int64_t>(i) * K + lane] = local ? id - me * E_loc : -1;
+      if (p.recv_w) p.recv_w[static_cast<int64_t>(i) * K + lane] = wv;
+    }
+    return;
+  }
+  const int e = local ? id - me * E_loc : 0;
+  const int64_t row = local ? static_cast<int64_t>(tb.start_e[e]) + tb.off[s * E_loc + e] + pe : -1;
+  const bool ok = local && row >= 0 && row < p.rows;
+  if (lane < K) mrow[2 + lane] = ok ? static_cast<int32_t>(row) : -1;
+  if (ok && p.recv_w) p.recv_w[row] = wv;
+  const unsigned dm = __ballot_sync(kFull, ok);
+  warp_copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
+  if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, dm, row, p.sf_bytes, lane);
+}
+
+__global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatchParams p, int SW) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t sh_seq;
+  __shared__ unsigned long long sh_bad;
+  __shared__ int sh_abort, sh_next;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int G = gridDim.x, c = blockIdx.x;
+  const int R = p.w.nranks, me = p.w.rank;
+  const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R, RE = R + E;
+  uint8_t* ws = p.w.ws_own;
+  if (tid == 0) {
+    sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
+    sh_bad = ULLONG_MAX;
+    sh_abort = 0;
+    sh_next = 0;
+    if (c == 0 && p.token_out) *p.token_out = *p.token;
+  }
+  __syncthreads();
+  const uint64_t seq = sh_seq;
+  const int half = static_cast<int>(seq & 1);
+  const uint64_t hoff = p.w.st_offset + p.L.half(seq);
+  const Half own = half_at(p.w.st_own + hoff, p.L);
+  const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
+
+  // ---- 1. layout: pass 1 (counts, first bad entry) --------------------------------------------------------
+  int* cnt = reinterpret_cast<int*>(smem);
+  const int LW = p.layout_warps;
+  for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
+  __syncthreads();
+  const int tpc = (M + G - 1) / G;
+  const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
+  const int per_w = (t1 - t0 + LW - 1) / LW;
+  const int wa = min(t0 + warp * per_w, t1), wb = min(wa + per_w, t1);
+  if (warp < LW) {
+    int* wc = cnt + warp * RE;
+    for (int t = wa; t < min(wb, N); ++t) {
+      const int id = lane < K ? p.topk[static_cast<int64_t>(t) * K + lane] : -1;
+      const bool in_range = id >= -1 && id < E;
+      const bool valid = id >= 0 && id < E;
+      const unsigned same = __match_any_sync(kFull, valid ? id : -2 - lane);
+      const bool dup = valid && (same & lanemask_lt()) != 0;
+      const unsigned badm = __ballot_sync(kFull, !in_range || dup);
+      if (badm && lane == 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | (__ffs(badm) - 1));
+      if (valid) atomicAdd(&wc[R + id], 1);
+      const int d = valid ? id / E_loc : -1;
+      const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+      if (valid && 31 - __clz(sd) == lane) atomicAdd(&wc[d], 1);
+    }
+  }
+  __syncthreads();
+  int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
+  for (int q = tid; q < RE; q += blockDim.x) {
+    int run = 0;
+    for (int w2 = 0; w2 < LW; ++w2) {
+      const int v = cnt[w2 * RE + q];
+      cnt[w2 * RE + q] = run;
+      run += v;
+    }
+    cta_counts[static_cast<int64_t>(c) * RE + q] = run;
+  }
+  if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
+  const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch);  // internal failure: publish nothing, peers time out
+
+  // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
+  if (tid == 0) {
+    unsigned long long b = ULLONG_MAX;
+    for (int c2 = 0; c2 < G; ++c2)
+      b = min(b, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
+    sh_bad = b;
+  }
+  for (int q = tid; q < RE; q += blockDim.x) {
+    int base = 0, tot = 0;
+    for (int c2 = 0; c2 < G; ++c2) {
+      const int v = __ldcg(cta_counts + static_cast<int64_t>(c2) * RE + q);
+      if (c2 < c) base += v;
+      tot += v;
+    }
+    for (int w2 = 0; w2 < LW; ++w2) cnt[w2 * RE + q] += base;
+    if (c == 0) {
+      if (q < R) own.counts[q] = tot; else own.exp_counts[q - R] = tot;
+    }
+  }
+  __syncthreads();
+  const bool bad = sh_bad != ULLONG_MAX;
+  if (bad && c == 0 && tid == 0 && !iabort) {
+    const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
+    const int id = p.topk[static_cast<int64_t>(t) * K + k];
+    const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+    const int64_t detail = ep_bad_detail(t, kind);
+    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadDetail) = detail;
+    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadValue) = id;
+    __threadfence_system();
+    *reinterpret_cast<volatile uint64_t*>(ws_u64(ws, EpWorkspace::kDispatchBad)) = seq;
+    cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, id, 0, detail);
+  }
+
+  // ---- layout pass 2: positions in token order --------------------------------------------------------------
+  if (!bad && !iabort && warp < LW) {
+    int* wc = cnt + warp * RE;
+    for (int t = wa; t < wb; ++t) {
+      const int64_t tK = static_cast<int64_t>(t) * K;
+      if (t < N) {
+        const int id = lane < K ? p.topk[tK + lane] : -1;
+        const bool valid = id >= 0;
+        const int pe = valid ? atomicAdd(&wc[R + id], 1) : -1;
+        const int d = valid ? id / E_loc : -1;
+        const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+        const int pr = (valid && 31 - __clz(sd) == lane) ? atomicAdd(&wc[d], 1) : -1;
+        if (lane < K) {
+          own.topk[tK + lane] = id;
+          own.pos_exp[tK + lane] = pe;
+          if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
+        }
+        for (int d0 = 0; d0 < R; d0 += 32) {
+          const int dd = d0 + lane;
+          int v = -1;
+          for (int k = 0; k < K; ++k) {
+            const int dk = __shfl_sync(kFull, d, k);
+            const int pk = __shfl_sync(kFull, pr, k);
+            if (dk == dd && pk >= 0) v = pk;
+          }
+          if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
+        }
+      } else {
+        if (lane < K) {
+          own.topk[tK + lane] = -1;
+          own.pos_exp[tK + lane] = -1;
+        }
+        for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
+      }
+    }
+  }
+  if (!iabort) {
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) st_release_sys_u64(layout_flag(ws, half, c), seq);
+  }
+
+  const int PW = nwarps - SW;
+  if (warp < SW) {
+    // ---- 2. stage warps --------------------------------------------------------------------------------------
+    if (!bad && !iabort) stage_payload(p, own, ws, seq, SW, false);
+    bar_sync(1, SW * 32);
+    if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
+    bar_sync(2, blockDim.x);  // receive tables built by the pull warps
+    if (!sh_abort && !bad && !iabort) {
+      const int te = min(t1, N);
+      for (int q = tid; q < (te - t0) * R; q += SW * 32) {
+        const int t = t0 + q / R, d = q % R;
+        const int pos = own.pos_rank[static_cast<int64_t>(t) * R + d];
+        p.dst_row[static_cast<int64_t>(t) * R + d] = pos >= 0 ? tb.base_dst[d] + pos : -1;
+      }
+      if (c == 0) {
+        for (int s = tid; s < R; s += SW * 32) p.psum_rank[s] = tb.psum_excl[s + 1];
+        if (tid == 0) *p.num_recv = tb.psum_excl[R];
+        for (int e = tid; e < E_loc; e += SW * 32) {
+          const int a = static_cast<int>(ep_align(tb.cnt_e[e], p.A));
+          p.unaligned[e] = tb.cnt_e[e];
+          p.group_sizes[e] = a;
+          p.psum_expert[e] = p.expand ? tb.start_e[e] + tb.cnt_e[e] : tb.start_e[e] + a;
+        }
+      }
+      if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
+    }
+    if (c == 0 && !iabort && !sh_abort) {  // a call ends only after every peer published its ready
+      for (int s = tid; s < R; s += SW * 32)
+        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
+    }
+    return;
+  }
+
+  // ---- 3. pull warps --------------------------------------------------------------------------------------------
+  const int pw = warp - SW, ptid = tid - SW * 32, pthreads = PW * 32;
+  bool ok = !bad && !iabort;
+  if (ok) {
+    for (int q = ptid; q < R * G; q += pthreads) {
+      const int s = q / G, cc = q % G;
+      if (!wait_ge(layout_flag(p.w.ws_peers[s], half, cc), seq, p.w, kOpEpDispatch, s)) atomicOr(&sh_abort, 1);
+    }
+    bar_sync(3, pthreads);
+    for (int s = ptid; s < R && !sh_abort; s += pthreads) {
+      const uint8_t* pws = p.w.ws_peers[s];
+      if (cuda::ld_acquire_sys(ws_u64(pws, EpWorkspace::kDispatchBad)) == seq) {
+        cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, s, 0,
+                                  __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kDispatchBadValue)),
+                                  0, __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kDispatchBadDetail)));
+        atomicOr(&sh_abort, 1);
+      }
+    }
+    bar_sync(3, pthreads);
+    ok = !sh_abort;
+  }
+  if (ok) {
+    // receive tables
+    for (int q = ptid; q < R; q += pthreads) {
+      const Half hq = half_at(p.w.st_peers[q] + hoff, p.L);
+      tb.psum_excl[q + 1] = __ldcg(hq.counts + me);  // recv_from[q], scanned below
+      int b = 0;
+      for (int s = 0; s < me; ++s) b += __ldcg(half_at(p.w.st_peers[s] + hoff, p.L).counts + q);
+      tb.base_dst[q] = b;
+    }
+    for (int q = ptid; q < R * E_loc; q += pthreads) {
+      const int s = q / E_loc, e = q % E_loc;
+      tb.off[q] = __ldcg(half_at(p.w.st_peers[s] + hoff, p.L).exp_counts + me * E_loc + e);
+    }
+    bar_sync(3, pthreads);
+    if (ptid == 0) {
+      tb.psum_excl[0] = 0;
+      for (int s = 0; s < R; ++s) tb.psum_excl[s + 1] += tb.psum_excl[s];
+    }
+    for (int e = ptid; e < E_loc; e += pthreads) {
+      int run = 0;
+      for (int s = 0; s < R; ++s) {
+        const int v = tb.off[s * E_loc + e];
+        tb.off[s * E_loc + e] = run;
+        run += v;
+      }
+      tb.cnt_e[e] = run;
+    }
+    bar_sync(3, pthreads);
+    if (ptid == 0) {
+      int run = 0;
+      for (int e = 0; e < E_loc; ++e) {
+        tb.start_e[e] = run;
+        run += static_cast<int>(ep_align(tb.cnt_e[e], p.A));
+      }
+      build_padpre(tb, E_loc, p.A);
+    }
+    bar_sync(3, pthreads);
+  }
+  bar_arrive(2, blockDim.x);
+  if (!ok) return;
+
+  // pulls: items (local chunk li, source slot q), own rank first; handed out dynamically (own rows are cheaper
+  // than remote ones, so a static split would leave the remote pulls to half of the warps)
+  const int CH = p.chunk;
+  const int nch = (M + CH - 1) / CH;
+  const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
+  (void)pw;
+  for (;;) {
+    int it = 0;
+    if (lane == 0) it = atomicAdd(&sh_next, 1);
+    it = __shfl_sync(kFull, it, 0);
+    if (it >= nloc * R) break;
+    const int li = it / R, q = it % R;
+    const int j = c + li * G, s = (me + q) % R;
+    const Half hs = half_at(p.w.st_peers[s] + hoff, p.L);
+    const int tb0 = j * CH;
+    int pos = -1;
+    if (lane < CH && tb0 + lane < M) pos = __ldcg(hs.pos_rank + static_cast<int64_t>(tb0 + lane) * R + me);
+    unsigned vm = __ballot_sync(kFull, pos >= 0);
+    if (!vm) continue;
+    if (s != me && !wait_chunk(p, s, tb0, seq, lane)) return;
+    while (vm) {
+      const int b = __ffs(vm) - 1;
+      vm &= vm - 1;
+      const int pb = __shfl_sync(kFull, pos, b);
+      pull_token(p, tb, hs, s, tb0 + b, tb.psum_excl[s] + pb, E_loc, lane);
+    }
+  }
+}
+
+// One received row i of a cached dispatch (source s, token t). Whole warp.
+JE_DEVICE void pull_cached(const EpDispatchParams& p, const Half& hs, int s, int t, int i, int lane) {
+  const int me = p.w.rank, K = p.K;
+  const bool self = s == me;
+  const int64_t tK = static_cast<int64_t>(t) * K;
+  const uint8_t* src_x = self ? p.x + t * p.x_bytes : hs.x + t * p.L.x_row;
+  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : hs.sf + t * p.L.sf_row;
+  float wv = 0.0f;
+  if (p.recv_w && lane < K) wv = self ? p.weights[tK + lane] : __ldcg(hs.w + tK + lane);
+  if (!p.expand) {
+    warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
+    if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
+    if (p.recv_w && lane < K) p.recv_w[static_cast<int64_t>(i) * K + lane] = wv;
+    return;
+  }
+  int64_t row = -1;
+  if (lane < K) row = p.h_meta[static_cast<int64_t>(i) * (K + 2) + 2 + lane];
+  if (row >= p.rows) {
+    cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, row, 0,
+                              ep_bad_detail(i, kEpBadHandle));
+    row = -1;
+  }
+  const bool ok = row >= 0;
+  if (ok && p.recv_w) p.recv_w[row] = wv;
+  const unsigned dm = __ballot_sync(kFull, ok);
+  warp_copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
+  if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, dm, row, p.sf_bytes, lane);
+}
+
+__global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const EpDispatchParams p, int SW) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t sh_seq;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int G = gridDim.x, c = blockIdx.x;
+  const int R = p.w.nranks, me = p.w.rank;
+  const int M = p.M, K = p.K, E_loc = p.E / R;
+  uint8_t* ws = p.w.ws_own;
+  if (tid == 0) {
+    sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
+    if (c == 0 && p.token_out) *p.token_out = *p.token;
+  }
+  __syncthreads();
+  const uint64_t seq = sh_seq;
+  const uint64_t hoff = p.w.st_offset + p.L.half(seq);
+  const Half own = half_at(p.w.st_own + hoff, p.L);
+  const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
+  const int PW = nwarps - SW;
+
+  if (warp < SW) {
+    stage_payload(p, own, ws, seq, SW, true);
+    bar_sync(1, SW * 32);
+    if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
+    bar_sync(2, blockDim.x);
+    if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
+    if (c == 0)
+      for (int s = tid; s < R; s += SW * 32)
+        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
+    return;
+  }
+
+  const int pw = warp - SW, ptid = tid - SW * 32, pthreads = PW * 32;
+  // tables for zero padding: start[e] = align(psum_expert[e-1], A) (expand psum = start + count)
+  for (int e = ptid; e < E_loc; e += pthreads) {
+    tb.cnt_e[e] = p.h_unaligned[e];
+    tb.start_e[e] = e == 0 ? 0 : static_cast<int>(ep_align(p.h_psum_expert[e - 1], p.A));
+  }
+  bar_sync(3, pthreads);
+  if (ptid == 0) build_padpre(tb, E_loc, p.A);
+  bar_arrive(2, blockDim.x);
+
+  int num_recv = p.h_psum_rank[R - 1];
+  if (num_recv < 0 || num_recv > R * M) {
+    if (c == 0 && ptid == 0)
+      cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, num_recv, 0,
+                                ep_bad_detail(0, kEpBadHandle));
+    num_recv = 0;
+  }
+  int last_s = -1, last_j = -1;
+  for (int blk = c * PW + pw; blk * 32 < num_recv; blk += G * PW) {
+    const int i = blk * 32 + lane;
+    int gid = -1;
+    if (i < num_recv) {
+      gid = p.h_meta[static_cast<int64_t>(i) * (K + 2)];
+      if (gid < 0 || gid >= R * M) {
+        cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, gid, 0,
+                                  ep_bad_detail(i, kEpBadHandle));
+        gid = -1;
+      }
+    }
+    unsigned vm = __ballot_sync(kFull, gid >= 0);
+    while (vm) {
+      const int b = __ffs(vm) - 1;
+      vm &= vm - 1;
+      const int g = __shfl_sync(kFull, gid, b);
+      const int s = g / M, t = g % M, j = t / p.chunk;
+      if (s != me && (s != last_s || j != last_j)) {
+        if (!wait_chunk(p, s, t, seq, lane)) return;
+        last_s = s;
+        last_j = j;
+      }
+      pull_cached(p, half_at(p.w.st_peers[s] + hoff, p.L), s, t, blk * 32 + b, lane);
+    }
+  }
+}
+
+cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatchParams& p, const EpLaunch& l,
+                   int smem, cudaStream_t stream) {
+  if (l.num_ctas < 1 || l.num_ctas > kEpMaxCtas || l.stage_warps < 1 || l.stage_warps >= kEpThreads / 32)
+    return cudaErrorInvalidValue;
+  cudaError_t e = cudaSuccess;
+  if (smem > 48 * 1024) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(l.num_ctas);
+  cfg.blockDim = dim3(kEpThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int sw = l.stage_warps;
+  e = cudaLaunchKernelEx(&cfg, kernel, p, sw);
+  if (e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace ep
+
+int64_t ep_dispatch_smem_bytes(int R, int E, int /*stage_warps*/, int* layout_warps, int* tables_offset) {
+  if (R < 1 || E < R) return -1;
+  const int E_loc = E / R, RE = R + E;
+  const int tables = (ep::tables_bytes(R, E_loc) + 15) / 16 * 16;
+  const int budget = 200 * 1024;
+  const int lw = std::min(kEpThreads / 32, (budget - tables) / (RE * 4));
+  if (lw < 1) return -1;
+  if (layout_warps) *layout_warps = lw;
+  const int off = (lw * RE * 4 + 15) / 16 * 16;
+  if (tables_offset) *tables_offset = off;
+  return off + tables;
+}
+
+cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
+  int lw = 0, off = 0;
+  const int64_t smem = ep_dispatch_smem_bytes(p.w.nranks, p.E, l.stage_warps, &lw, &off);
+  if (smem < 0) return cudaErrorInvalidValue;
+  p.layout_warps = lw;
+  p.smem_tables = off;
+  p.chunk = ep_chunk(p.M, p.w.nranks, l.num_ctas);
+  return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(smem), stream);
+}
+
+cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
+  const int R = p.w.nranks;
+  p.layout_warps = 0;
+  p.smem_tables = 0;
+  p.chunk = ep_chunk(p.M, R, l.num_ctas);
+  const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
+  return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
+}
+
+}  // namespace jax_engram
