@@ -1,0 +1,418 @@
+// CPU handlers of EP dispatch, cached dispatch and combine: FFI binding and validation only; the protocol
+// lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
+#include <cstring>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "handlers/common.h"
+#include "jax_engram/ep_layout.h"
+#include "kernels/cpu/ep.h"
+
+namespace jax_engram {
+namespace {
+
+using DT = ffi::DataType;
+
+const char* dt_name(DT t) {
+  switch (t) {
+    case DT::BF16: return "bfloat16";
+    case DT::F16: return "float16";
+    case DT::F32: return "float32";
+    case DT::S32: return "int32";
+    case DT::S64: return "int64";
+    case DT::F8E4M3FN: return "float8_e4m3fn";
+    default: return "other";
+  }
+}
+
+int64_t elt_bytes(DT t) {
+  switch (t) {
+    case DT::F8E4M3FN: return 1;
+    case DT::BF16: case DT::F16: return 2;
+    case DT::F32: case DT::S32: return 4;
+    default: return 0;
+  }
+}
+
+std::string shape_str(const ffi::AnyBuffer& b) {
+  std::ostringstream s;
+  s << "[";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? "," : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+// Checks shape (-1 = any extent) and dtype (empty list = any); message names the argument.
+ffi::Error check(int32_t op, const char* name, const ffi::AnyBuffer& b, std::initializer_list<int64_t> shape,
+                 std::initializer_list<DT> dtypes) {
+  auto d = b.dimensions();
+  bool ok = d.size() == shape.size();
+  size_t i = 0;
+  for (int64_t want : shape) {
+    if (ok && want >= 0 && d[i] != want) ok = false;
+    ++i;
+  }
+  std::ostringstream want_s;
+  want_s << "[";
+  i = 0;
+  for (int64_t w : shape) want_s << (i++ ? "," : "") << (w < 0 ? std::string("?") : std::to_string(w));
+  want_s << "]";
+  if (!ok) return op_error(op, std::string(name) + " must have shape " + want_s.str() + ", got " + shape_str(b));
+  if (dtypes.size()) {
+    bool dt_ok = false;
+    std::string names;
+    for (DT t : dtypes) {
+      dt_ok |= b.element_type() == t;
+      names += (names.empty() ? "" : " or ") + std::string(dt_name(t));
+    }
+    if (!dt_ok)
+      return op_error(op, std::string(name) + " must be " + names + ", got " + dt_name(b.element_type()));
+  }
+  return ffi::Error::Success();
+}
+
+#define JE_CHECK(expr)                     \
+  do {                                     \
+    ffi::Error _e = (expr);                \
+    if (!_e.success()) return _e;          \
+  } while (0)
+
+// After a kernel failed: EP input errors get a message naming the rank, token and value.
+ffi::Error finish(MemberScope& s, int64_t num_experts) {
+  const ErrorRecord& e = *s->error_host;
+  if (e.code == kErrBadInput && (e.op == kOpEpDispatch || e.op == kOpEpCombine)) {
+    const int64_t where = e.detail / 64, kind = e.detail % 64;
+    const std::string who = e.peer == e.rank ? "this rank (" + std::to_string(e.rank) + ")"
+                                              : "rank " + std::to_string(e.peer);
+    std::ostringstream m;
+    m << "jax_engram " << op_name(e.op) << " on rank " << e.rank << " of " << s->label << ": ";
+    if (kind == kEpBadDuplicateExpert)
+      m << "topk_idx of " << who << ", token " << where << ", lists expert " << e.observed
+        << " more than once (duplicate expert ids within a token are illegal)";
+    else if (kind == kEpBadExpertRange)
+      m << "topk_idx of " << who << ", token " << where << ", holds expert id " << e.observed
+        << " outside [-1, num_experts=" << num_experts << ")";
+    else
+      m << "the handle's arrays are inconsistent on " << who << " (entry " << where << ", value " << e.observed
+        << "): pass the handle returned by the dispatch this call reverses or replays";
+    m << ". The context is unusable; close it and init a new one.";
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, m.str());
+  }
+  return s.check_recorded();
+}
+
+struct Common {
+  int64_t R, M, E, E_loc, K, N, rows;
+};
+
+ffi::Error check_config(int32_t op, Member& m, int64_t num_experts, int64_t M, int64_t expand, int64_t A,
+                        int64_t N, int64_t K, Common* c) {
+  const int64_t R = m.nranks;
+  if (num_experts <= 0 || num_experts % R != 0 || num_experts > kEpMaxExperts)
+    return op_error(op, "num_experts=" + std::to_string(num_experts) + " must be a positive multiple of the " +
+                            std::to_string(R) + " ranks and <= " + std::to_string(kEpMaxExperts));
+  if (num_experts / R > kEpMaxLocalExperts)
+    return op_error(op, "num_experts / ranks = " + std::to_string(num_experts / R) + " exceeds " +
+                            std::to_string(kEpMaxLocalExperts));
+  if (M <= 0 || N > M)
+    return op_error(op, "max_tokens_per_rank=" + std::to_string(M) + " must be >= the token count " +
+                            std::to_string(N) + " and > 0");
+  if (K <= 0 || K > kEpMaxTopk) return op_error(op, "top-k " + std::to_string(K) + " must be in [1, 32]");
+  if (A <= 0) return op_error(op, "expert_alignment must be >= 1");
+  *c = Common{R, M, num_experts, num_experts / R, K, N, ep_rows(expand != 0, R, M, K, num_experts / R, A)};
+  return ffi::Error::Success();
+}
+
+ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
+  JE_CHECK(check(op, "token", token, {}, {DT::S32}));
+  JE_CHECK(check(op, "token_out", token_out, {}, {DT::S32}));
+  std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
+  return ffi::Error::Success();
+}
+
+ffi::Error EpDispatchCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::AnyBuffer topk_idx,
+                         ffi::AnyBuffer topk_weights, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> recv_x,
+                         ffi::Result<ffi::AnyBuffer> recv_x_scales, ffi::Result<ffi::AnyBuffer> recv_topk_idx,
+                         ffi::Result<ffi::AnyBuffer> recv_topk_weights, ffi::Result<ffi::AnyBuffer> psum_rank,
+                         ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> unaligned,
+                         ffi::Result<ffi::AnyBuffer> recv_src_metadata, ffi::Result<ffi::AnyBuffer> dst_row,
+                         ffi::Result<ffi::AnyBuffer> num_recv_tokens, ffi::Result<ffi::AnyBuffer> group_sizes,
+                         ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id, int64_t offset,
+                         int64_t num_experts, int64_t max_tokens_per_rank, int64_t expand, int64_t expert_alignment,
+                         int64_t zero_padding, int64_t num_sms) {
+  (void)num_sms;
+  constexpr int32_t op = kOpEpDispatch;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
+  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
+  const int64_t N = x.dimensions()[0], H = x.dimensions()[1], K = topk_idx.dimensions()[1];
+  Common c;
+  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, expand, expert_alignment, N, K, &c));
+  if (zero_padding && !expand) return op_error(op, "zero_padding requires expand");
+  JE_CHECK(check(op, "x", x, {N, H}, {DT::BF16, DT::F16, DT::F32, DT::F8E4M3FN}));
+  JE_CHECK(check(op, "x_scales", x_scales, {N, -1}, {DT::F32, DT::S32}));
+  const int64_t P = x_scales.dimensions()[1];
+  JE_CHECK(check(op, "topk_idx", topk_idx, {N, K}, {DT::S32}));
+  const bool has_w = topk_weights.dimensions().size() == 2 && topk_weights.dimensions()[1] != 0;
+  JE_CHECK(check(op, "topk_weights", topk_weights, {N, has_w ? K : 0}, {DT::F32}));
+  const int64_t rows_tok = c.R * c.M;
+  JE_CHECK(check(op, "recv_x", *recv_x, {c.rows, H}, {x.element_type()}));
+  JE_CHECK(check(op, "recv_x_scales", *recv_x_scales, {c.rows, P}, {x_scales.element_type()}));
+  JE_CHECK(check(op, "recv_topk_idx", *recv_topk_idx, {expand ? 0 : rows_tok, K}, {DT::S32}));
+  if (has_w) {
+    if (expand) JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {c.rows}, {DT::F32}));
+    else JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {rows_tok, K}, {DT::F32}));
+  } else {
+    JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {0}, {DT::F32}));
+  }
+  JE_CHECK(check(op, "psum_rank", *psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "psum_expert", *psum_expert, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "unaligned", *unaligned, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "recv_src_metadata", *recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", *dst_row, {N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "num_recv_tokens", *num_recv_tokens, {}, {DT::S32}));
+  JE_CHECK(check(op, "group_sizes", *group_sizes, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check_token(op, token, *token_out));
+  const int64_t x_bytes = H * elt_bytes(x.element_type());
+  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
+  Allocation* a;
+  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
+
+  cpu::EpDispatchArgs args;
+  args.c = cpu::EpConfig{c.M, N, K, c.E, expert_alignment, expand != 0, c.rows};
+  args.x = static_cast<const uint8_t*>(x.untyped_data());
+  args.x_bytes = x_bytes;
+  args.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
+  args.sf_bytes = P * 4;
+  args.topk = static_cast<const int32_t*>(topk_idx.untyped_data());
+  args.w = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  args.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  args.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
+  args.recv_topk = expand ? nullptr : static_cast<int32_t*>(recv_topk_idx->untyped_data());
+  args.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
+  args.psum_rank = static_cast<int32_t*>(psum_rank->untyped_data());
+  args.psum_expert = static_cast<int32_t*>(psum_expert->untyped_data());
+  args.unaligned = static_cast<int32_t*>(unaligned->untyped_data());
+  args.meta = static_cast<int32_t*>(recv_src_metadata->untyped_data());
+  args.dst_row = static_cast<int32_t*>(dst_row->untyped_data());
+  args.num_recv = static_cast<int32_t*>(num_recv_tokens->untyped_data());
+  args.group_sizes = static_cast<int32_t*>(group_sizes->untyped_data());
+  if (!cpu::ep_dispatch(m, *a, static_cast<uint64_t>(offset), args)) return finish(s, num_experts);
+  return s.check_recorded();
+}
+
+ffi::Error EpDispatchCachedCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                               ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src_metadata, ffi::AnyBuffer psum_rank,
+                               ffi::AnyBuffer psum_expert, ffi::AnyBuffer unaligned, ffi::AnyBuffer dst_row,
+                               ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> recv_x,
+                               ffi::Result<ffi::AnyBuffer> recv_x_scales,
+                               ffi::Result<ffi::AnyBuffer> recv_topk_weights, ffi::Result<ffi::AnyBuffer> token_out,
+                               int64_t ctx_id, int64_t alloc_id, int64_t offset, int64_t num_experts,
+                               int64_t max_tokens_per_rank, int64_t expand, int64_t expert_alignment,
+                               int64_t zero_padding, int64_t num_sms) {
+  (void)num_sms;
+  (void)zero_padding;  // the CPU backend zeroes every row it does not write
+  constexpr int32_t op = kOpEpDispatch;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
+  if (recv_src_metadata.dimensions().size() != 2)
+    return op_error(op, "recv_src_metadata must be 2-D [R*M, K+2], got " + shape_str(recv_src_metadata));
+  const int64_t N = x.dimensions()[0], H = x.dimensions()[1], K = recv_src_metadata.dimensions()[1] - 2;
+  Common c;
+  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, expand, expert_alignment, N, K, &c));
+  const int64_t rows_tok = c.R * c.M;
+  JE_CHECK(check(op, "x", x, {N, H}, {DT::BF16, DT::F16, DT::F32, DT::F8E4M3FN}));
+  JE_CHECK(check(op, "x_scales", x_scales, {N, -1}, {DT::F32, DT::S32}));
+  const int64_t P = x_scales.dimensions()[1];
+  const bool has_w = topk_weights.dimensions().size() == 2 && topk_weights.dimensions()[1] != 0;
+  JE_CHECK(check(op, "topk_weights", topk_weights, {N, has_w ? K : 0}, {DT::F32}));
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "recv_x", *recv_x, {c.rows, H}, {x.element_type()}));
+  JE_CHECK(check(op, "recv_x_scales", *recv_x_scales, {c.rows, P}, {x_scales.element_type()}));
+  if (has_w) {
+    if (expand) JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {c.rows}, {DT::F32}));
+    else JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {rows_tok, K}, {DT::F32}));
+  } else {
+    JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {0}, {DT::F32}));
+  }
+  JE_CHECK(check_token(op, token, *token_out));
+  const int64_t x_bytes = H * elt_bytes(x.element_type());
+  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
+  Allocation* a;
+  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
+
+  cpu::EpCachedArgs args;
+  args.c = cpu::EpConfig{c.M, N, K, c.E, expert_alignment, expand != 0, c.rows};
+  args.x = static_cast<const uint8_t*>(x.untyped_data());
+  args.x_bytes = x_bytes;
+  args.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
+  args.sf_bytes = P * 4;
+  args.w = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  args.meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
+  args.psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
+  args.psum_expert = static_cast<const int32_t*>(psum_expert.untyped_data());
+  args.unaligned = static_cast<const int32_t*>(unaligned.untyped_data());
+  args.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  args.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
+  args.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
+  if (!cpu::ep_dispatch_cached(m, *a, static_cast<uint64_t>(offset), args)) return finish(s, num_experts);
+  return s.check_recorded();
+}
+
+ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights, ffi::AnyBuffer bias0,
+                        ffi::AnyBuffer bias1, ffi::AnyBuffer recv_src_metadata, ffi::AnyBuffer dst_row,
+                        ffi::AnyBuffer topk_idx, ffi::AnyBuffer psum_rank, ffi::AnyBuffer token,
+                        ffi::Result<ffi::AnyBuffer> combined_x, ffi::Result<ffi::AnyBuffer> combined_topk_weights,
+                        ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id, int64_t offset,
+                        int64_t num_experts, int64_t max_tokens_per_rank, int64_t expand, int64_t num_sms) {
+  (void)num_sms;
+  constexpr int32_t op = kOpEpCombine;
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  if (y.dimensions().size() != 2) return op_error(op, "y must be 2-D [rows, hidden], got " + shape_str(y));
+  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
+  const int64_t H = y.dimensions()[1], N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  Common c;
+  // The alignment does not change the expand row count test below: check rows against the metadata instead.
+  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, 0, 1, N, K, &c));
+  const int64_t rows_tok = c.R * c.M;
+  const int64_t rows = y.dimensions()[0];
+  if (!expand && rows != rows_tok)
+    return op_error(op, "y must have R*M=" + std::to_string(rows_tok) + " rows (non-expand), got " + shape_str(y));
+  JE_CHECK(check(op, "y", y, {rows, H}, {DT::BF16, DT::F32}));
+  const bool has_w = topk_weights.dimensions().size() > 0 && topk_weights.element_count() != 0;
+  if (has_w) {
+    if (expand) JE_CHECK(check(op, "topk_weights", topk_weights, {rows}, {DT::F32}));
+    else JE_CHECK(check(op, "topk_weights", topk_weights, {rows_tok, K}, {DT::F32}));
+  } else {
+    JE_CHECK(check(op, "topk_weights", topk_weights, {0}, {DT::F32}));
+  }
+  const bool has_b0 = bias0.dimensions().size() == 2 && bias0.dimensions()[0] != 0;
+  const bool has_b1 = bias1.dimensions().size() == 2 && bias1.dimensions()[0] != 0;
+  JE_CHECK(check(op, "bias0", bias0, {has_b0 ? N : 0, H}, {y.element_type()}));
+  JE_CHECK(check(op, "bias1", bias1, {has_b1 ? N : 0, H}, {y.element_type()}));
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "topk_idx", topk_idx, {N, K}, {DT::S32}));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "combined_x", *combined_x, {N, H}, {y.element_type()}));
+  JE_CHECK(check(op, "combined_topk_weights", *combined_topk_weights, {N, has_w ? K : 0}, {DT::F32}));
+  JE_CHECK(check_token(op, token, *token_out));
+  const int64_t row_bytes = H * elt_bytes(y.element_type());
+  const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes);
+  Allocation* a;
+  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
+
+  cpu::EpCombineArgs args;
+  args.c = cpu::EpConfig{c.M, N, K, c.E, 1, expand != 0, rows};
+  args.dtype = y.element_type() == DT::BF16 ? cpu::EpFloat::kBF16 : cpu::EpFloat::kF32;
+  args.H = H;
+  args.y = static_cast<const uint8_t*>(y.untyped_data());
+  args.w = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  args.bias0 = has_b0 ? static_cast<const uint8_t*>(bias0.untyped_data()) : nullptr;
+  args.bias1 = has_b1 ? static_cast<const uint8_t*>(bias1.untyped_data()) : nullptr;
+  args.meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
+  args.dst_row = static_cast<const int32_t*>(dst_row.untyped_data());
+  args.topk = static_cast<const int32_t*>(topk_idx.untyped_data());
+  args.psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
+  args.out = static_cast<uint8_t*>(combined_x->untyped_data());
+  args.out_w = has_w ? static_cast<float*>(combined_topk_weights->untyped_data()) : nullptr;
+  if (!cpu::ep_combine(m, *a, static_cast<uint64_t>(offset), args)) return finish(s, num_experts);
+  return s.check_recorded();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCpu, EpDispatchCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // x_scales
+                                  .Arg<ffi::AnyBuffer>()  // topk_idx
+                                  .Arg<ffi::AnyBuffer>()  // topk_weights
+                                  .Arg<ffi::AnyBuffer>()  // token
+                                  .Ret<ffi::AnyBuffer>()  // recv_x
+                                  .Ret<ffi::AnyBuffer>()  // recv_x_scales
+                                  .Ret<ffi::AnyBuffer>()  // recv_topk_idx
+                                  .Ret<ffi::AnyBuffer>()  // recv_topk_weights
+                                  .Ret<ffi::AnyBuffer>()  // psum_rank
+                                  .Ret<ffi::AnyBuffer>()  // psum_expert
+                                  .Ret<ffi::AnyBuffer>()  // unaligned
+                                  .Ret<ffi::AnyBuffer>()  // recv_src_metadata
+                                  .Ret<ffi::AnyBuffer>()  // dst_row
+                                  .Ret<ffi::AnyBuffer>()  // num_recv_tokens
+                                  .Ret<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // token_out
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("alloc_id")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens_per_rank")
+                                  .Attr<int64_t>("expand")
+                                  .Attr<int64_t>("expert_alignment")
+                                  .Attr<int64_t>("zero_padding")
+                                  .Attr<int64_t>("num_sms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedCpu, EpDispatchCachedCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // x_scales
+                                  .Arg<ffi::AnyBuffer>()  // topk_weights
+                                  .Arg<ffi::AnyBuffer>()  // recv_src_metadata
+                                  .Arg<ffi::AnyBuffer>()  // psum_rank
+                                  .Arg<ffi::AnyBuffer>()  // psum_expert
+                                  .Arg<ffi::AnyBuffer>()  // unaligned
+                                  .Arg<ffi::AnyBuffer>()  // dst_row
+                                  .Arg<ffi::AnyBuffer>()  // token
+                                  .Ret<ffi::AnyBuffer>()  // recv_x
+                                  .Ret<ffi::AnyBuffer>()  // recv_x_scales
+                                  .Ret<ffi::AnyBuffer>()  // recv_topk_weights
+                                  .Ret<ffi::AnyBuffer>()  // token_out
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("alloc_id")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens_per_rank")
+                                  .Attr<int64_t>("expand")
+                                  .Attr<int64_t>("expert_alignment")
+                                  .Attr<int64_t>("zero_padding")
+                                  .Attr<int64_t>("num_sms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCpu, EpCombineCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // y
+                                  .Arg<ffi::AnyBuffer>()  // topk_weights
+                                  .Arg<ffi::AnyBuffer>()  // bias0
+                                  .Arg<ffi::AnyBuffer>()  // bias1
+                                  .Arg<ffi::AnyBuffer>()  // recv_src_metadata
+                                  .Arg<ffi::AnyBuffer>()  // dst_row
+                                  .Arg<ffi::AnyBuffer>()  // topk_idx
+                                  .Arg<ffi::AnyBuffer>()  // psum_rank
+                                  .Arg<ffi::AnyBuffer>()  // token
+                                  .Ret<ffi::AnyBuffer>()  // combined_x
+                                  .Ret<ffi::AnyBuffer>()  // combined_topk_weights
+                                  .Ret<ffi::AnyBuffer>()  // token_out
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("alloc_id")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens_per_rank")
+                                  .Attr<int64_t>("expand")
+                                  .Attr<int64_t>("num_sms"));
+
+static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCpu));
+static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCpu));
+static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCpu));
+
+}  // namespace jax_engram

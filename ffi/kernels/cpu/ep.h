@@ -1,0 +1,83 @@
+// CPU backend of EP dispatch / combine: the pull protocol of docs/DESIGN.md, offsets from ep_layout.h.
+// Each function runs one call on one member (rank), synchronously: stage own data, publish, wait for the
+// peers (bounded), pull. On failure it records the error in the member's ErrorRecord and returns false.
+#pragma once
+#include <cstdint>
+
+#include "jax_engram/ep_layout.h"
+#include "runtime/runtime.h"
+
+namespace jax_engram::cpu {
+
+struct EpConfig {
+  int64_t M = 0;  // max_tokens_per_rank
+  int64_t N = 0;  // local tokens (rows of x / topk_idx)
+  int64_t K = 0;  // top-k
+  int64_t E = 0;  // experts
+  int64_t A = 1;  // expert alignment
+  bool expand = false;
+  int64_t rows = 0;  // rows of the receive layout (R*M or ep_rows_expand)
+};
+
+struct EpDispatchArgs {
+  EpConfig c;
+  const uint8_t* x = nullptr;   // [N, x_bytes]
+  int64_t x_bytes = 0;          // bytes per row of x
+  const uint8_t* sf = nullptr;  // [N, sf_bytes] or null
+  int64_t sf_bytes = 0;         // P * 4
+  const int32_t* topk = nullptr;  // [N, K]
+  const float* w = nullptr;       // [N, K] or null
+  // results
+  uint8_t* recv_x = nullptr;     // [rows, x_bytes]
+  uint8_t* recv_sf = nullptr;    // [rows, sf_bytes]
+  int32_t* recv_topk = nullptr;  // [R*M, K] (non-expand) or null
+  float* recv_w = nullptr;       // [R*M, K] | [rows] or null
+  int32_t* psum_rank = nullptr;  // [R]
+  int32_t* psum_expert = nullptr;  // [E_loc]
+  int32_t* unaligned = nullptr;    // [E_loc]
+  int32_t* meta = nullptr;         // [R*M, K+2]
+  int32_t* dst_row = nullptr;      // [N, R]
+  int32_t* num_recv = nullptr;     // []
+  int32_t* group_sizes = nullptr;  // [E_loc]
+};
+
+struct EpCachedArgs {
+  EpConfig c;
+  const uint8_t* x = nullptr;
+  int64_t x_bytes = 0;
+  const uint8_t* sf = nullptr;
+  int64_t sf_bytes = 0;
+  const float* w = nullptr;            // [N, K] or null
+  const int32_t* meta = nullptr;       // handle: [R*M, K+2]
+  const int32_t* psum_rank = nullptr;  // handle: [R]
+  const int32_t* psum_expert = nullptr;  // handle: [E_loc]
+  const int32_t* unaligned = nullptr;    // handle: [E_loc]
+  uint8_t* recv_x = nullptr;
+  uint8_t* recv_sf = nullptr;
+  float* recv_w = nullptr;
+};
+
+enum class EpFloat { kBF16, kF32 };
+
+struct EpCombineArgs {
+  EpConfig c;
+  EpFloat dtype = EpFloat::kBF16;
+  int64_t H = 0;                       // hidden (elements)
+  const uint8_t* y = nullptr;          // [rows, H]
+  const float* w = nullptr;            // non-expand [R*M, K], expand [rows], or null
+  const uint8_t* bias0 = nullptr;      // [N, H] or null
+  const uint8_t* bias1 = nullptr;      // [N, H] or null
+  const int32_t* meta = nullptr;       // [R*M, K+2]
+  const int32_t* dst_row = nullptr;    // [N, R]
+  const int32_t* topk = nullptr;       // [N, K]
+  const int32_t* psum_rank = nullptr;  // [R]
+  uint8_t* out = nullptr;              // [N, H]
+  float* out_w = nullptr;              // [N, K] or null
+};
+
+// `region` is the staging allocation, `offset` the staging region's offset in it (same on every rank).
+bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatchArgs& a);
+bool ep_dispatch_cached(Member& m, Allocation& region, uint64_t offset, const EpCachedArgs& a);
+bool ep_combine(Member& m, Allocation& region, uint64_t offset, const EpCombineArgs& a);
+
+}  // namespace jax_engram::cpu
