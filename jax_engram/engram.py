@@ -298,15 +298,20 @@ class EngramTable:
                                       num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap))
         return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap))
 
-    def wait(self, pending: EngramPending):
-        """Wait for a pending fetch; returns ``(data [T, E*hidden], sf or None)``."""
+    def wait(self, pending: EngramPending, token=None):
+        """Wait for a pending fetch; returns ``(data [T, E*hidden], sf or None)``.
+
+        ``token``: optional array that must be computed before the wait (e.g. the result of the work meant to
+        overlap the reads), so that XLA cannot schedule the wait before that work.
+        """
         _call.check_axis(self.ctx, "EngramTable.wait")
         if not isinstance(pending, EngramPending):
             raise TypeError(f"jax_engram EngramTable.wait: expected the EngramPending returned by fetch, got "
                             f"{type(pending).__name__}")
-        ops = (pending.data, pending.sf, pending.status, pending.indices)
         if pending.data.size == 0:
             return pending.data, (pending.sf if pending.has_sf else None)
+        ops = (pending.data, pending.sf, pending.status, pending.indices,
+               pending.status if token is None else jnp.asarray(token))
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
                                         *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))

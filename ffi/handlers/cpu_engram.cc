@@ -123,11 +123,12 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
 
 // data / sf results alias the data / sf operands (input_output_aliases): nothing to do unless XLA copied.
 ffi::Error EngramWaitCpu(int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf, ffi::AnyBuffer status,
-                         ffi::AnyBuffer indices, ffi::Result<ffi::AnyBuffer> data_out,
+                         ffi::AnyBuffer indices, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> data_out,
                          ffi::Result<ffi::AnyBuffer> sf_out, int64_t ctx_id, int64_t overlap) {
   (void)overlap;
   (void)status;
   (void)indices;
+  (void)token;
   MemberScope s(ctx_id, ordinal, kOpEngramWait);
   if (!s.ok()) return s.error();
   if (data_out->size_bytes() != data.size_bytes() || sf_out->size_bytes() != sf.size_bytes())
@@ -182,6 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCpu, EngramWaitCpu,
                                   .Arg<ffi::AnyBuffer>()  // sf (pending)
                                   .Arg<ffi::AnyBuffer>()  // status (pending)
                                   .Arg<ffi::AnyBuffer>()  // indices (kept alive until here)
+                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
                                   .Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
                                   .Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
                                   .Attr<int64_t>("ctx_id")

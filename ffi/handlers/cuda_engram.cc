@@ -204,10 +204,12 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
 }
 
 ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf,
-                          ffi::AnyBuffer status, ffi::AnyBuffer indices, ffi::Result<ffi::AnyBuffer> data_out,
+                          ffi::AnyBuffer status, ffi::AnyBuffer indices, ffi::AnyBuffer token,
+                          ffi::Result<ffi::AnyBuffer> data_out,
                           ffi::Result<ffi::AnyBuffer> sf_out, int64_t ctx_id, int64_t overlap) {
   (void)status;
   (void)indices;
+  (void)token;
   constexpr int32_t op = kOpEngramWait;
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
@@ -276,6 +278,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCuda, EngramWaitCuda,
                                   .Arg<ffi::AnyBuffer>()  // sf (pending)
                                   .Arg<ffi::AnyBuffer>()  // status (pending)
                                   .Arg<ffi::AnyBuffer>()  // indices (kept alive until here)
+                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
                                   .Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
                                   .Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
                                   .Attr<int64_t>("ctx_id")
