@@ -101,7 +101,7 @@ struct EpCombineParams {
 
 // Staging chunk (tokens / rows) for a config: small for few tokens (latency: every warp gets work), up to 32.
 inline int32_t ep_chunk(int64_t M, int64_t R, int64_t ctas) {
-  const int64_t c = M * R / (ctas * 24);
+  const int64_t c = M * R / (ctas * 48);
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }
 

@@ -235,6 +235,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
   __shared__ int sh_next;
+  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -245,6 +246,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     sh_next = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
+  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
   const int half = static_cast<int>(seq & 1);
@@ -341,7 +343,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     int okw = 1;
     if (master) {
       const int j = row / CH;
-      okw = wait_ge(progress(p.w.ws_peers[d], half, j % G), progress_value(seq, j / G + 1), p.w, kOpEpCombine, d);
+      okw = wait_progress(progress(p.w.ws_peers[d], half, j % G), progress_value(seq, j / G + 1),
+                          progress_slot(sh_prog, d, j % G), p.w, kOpEpCombine, d);
     }
     if (!__all_sync(kFull, okw)) return;
     __syncwarp();

@@ -134,6 +134,44 @@ JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, in
 
 JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32) | n; }
 
+// Per-CTA cache of the progress words seen so far (shared memory, index peer * G + cta, kProgressCache entries):
+// staging runs ahead of the pulls, so most waits are answered here instead of by a remote NVLink round trip.
+// A hit is ordered after the acquire that filled it (fence.cta on both sides of the relaxed shared accesses).
+inline constexpr int kProgressCache = 512;
+
+JE_DEVICE void progress_cache_init(unsigned long long* cache) {
+  for (int i = threadIdx.x; i < kProgressCache; i += blockDim.x) cache[i] = 0ull;
+}
+
+// Bounded wait by ONE thread for *p >= target through the cache slot `slot` (nullptr: no cache). Records a
+// timeout against `peer` like wait_at_least; returns false on timeout / abort.
+JE_DEVICE bool wait_progress(const uint64_t* p, uint64_t target, unsigned long long* slot, const EpWindow& w,
+                             int32_t op, int32_t peer) {
+  if (slot && *reinterpret_cast<volatile unsigned long long*>(slot) >= target) {
+    __threadfence_block();
+    return true;
+  }
+  const uint64_t start = cuda::globaltimer_ns();
+  uint64_t observed = 0;
+  const cuda::WaitResult r = cuda::poll_at_least(p, target, start, w.timeout_ns, w.err, &observed);
+  if (r == cuda::WaitResult::kOk) {
+    if (slot) {
+      __threadfence_block();
+      atomicMax(slot, static_cast<unsigned long long>(observed));
+    }
+    return true;
+  }
+  if (r == cuda::WaitResult::kTimeout)
+    cuda::record_error_device(w.err, kErrTimeout, op, w.rank, peer, static_cast<int64_t>(target),
+                              static_cast<int64_t>(observed), static_cast<int64_t>(cuda::globaltimer_ns() - start), 0);
+  return false;
+}
+
+JE_DEVICE unsigned long long* progress_slot(unsigned long long* cache, int peer, int cta) {
+  const int i = peer * static_cast<int>(gridDim.x) + cta;
+  return i < kProgressCache ? cache + i : nullptr;
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // Warp copies. Loads go through L2 (ld.global.cg: never a stale L1 line for staging memory other CTAs or GPUs
 // wrote). V is the access width, chosen at run time from the alignment of every pointer and stride.

@@ -111,12 +111,12 @@ JE_DEVICE void stage_payload(const EpDispatchParams& p, const Half& own, uint8_t
 }
 
 // Waits (lane 0) for source s's staging of the chunk holding token t. Returns false on timeout (recorded).
-JE_DEVICE bool wait_chunk(const EpDispatchParams& p, int s, int t, uint64_t seq, int lane) {
+JE_DEVICE bool wait_chunk(const EpDispatchParams& p, int s, int t, uint64_t seq, int lane, unsigned long long* cache) {
   int ok = 1;
   if (lane == 0) {
     const int j = t / p.chunk, G = gridDim.x;
-    ok = wait_ge(progress(p.w.ws_peers[s], static_cast<int>(seq & 1), j % G), progress_value(seq, j / G + 1), p.w,
-                 kOpEpDispatch, s);
+    ok = wait_progress(progress(p.w.ws_peers[s], static_cast<int>(seq & 1), j % G), progress_value(seq, j / G + 1),
+                       progress_slot(cache, s, j % G), p.w, kOpEpDispatch, s);
   }
   ok = __shfl_sync(kFull, ok, 0);
   __syncwarp();
@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
   __shared__ int sh_abort, sh_next;
+  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -209,6 +210,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     sh_next = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
+  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
   const int half = static_cast<int>(seq & 1);
@@ -444,7 +446,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     if (lane < CH && tb0 + lane < M) pos = __ldcg(hs.pos_rank + static_cast<int64_t>(tb0 + lane) * R + me);
     unsigned vm = __ballot_sync(kFull, pos >= 0);
     if (!vm) continue;
-    if (s != me && !wait_chunk(p, s, tb0, seq, lane)) return;
+    if (s != me && !wait_chunk(p, s, tb0, seq, lane, sh_prog)) return;
     while (vm) {
       const int b = __ffs(vm) - 1;
       vm &= vm - 1;
@@ -486,6 +488,7 @@ JE_DEVICE void pull_cached(const EpDispatchParams& p, const Half& hs, int s, int
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const EpDispatchParams p, int SW) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
+  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -495,6 +498,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
     sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
+  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
@@ -550,7 +554,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       const int g = __shfl_sync(kFull, gid, b);
       const int s = g / M, t = g % M, j = t / p.chunk;
       if (s != me && (s != last_s || j != last_j)) {
-        if (!wait_chunk(p, s, t, seq, lane)) return;
+        if (!wait_chunk(p, s, t, seq, lane, sh_prog)) return;
         last_s = s;
         last_j = j;
       }
