@@ -53,7 +53,7 @@ def _args(argv=None):
     ap.add_argument("--layouts", default="nonexpand,expand")
     ap.add_argument("--alignment", type=int, default=1, help="expert_alignment of the expand layout")
     ap.add_argument("--sms", type=int, default=0, help="num_sms of our kernels (0 = automatic: 24)")
-    ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count ('' = off)")
+    ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -286,8 +286,10 @@ def main():
                 else:
                     log(f"config: {cfgs} | baseline {k}: n/a ({b.get('reason')})")
             on_gpu = platform in ("gpu", "cuda")
-            sms_list = [ARGS.sms] + ([s for s in sweep if s != ARGS.sms] if N == max(toks) and on_gpu else [])
             for dname in dtypes:
+                # SM sweep: largest token count, first dtype (each num_sms value is a new compilation)
+                sweep_here = N == max(toks) and on_gpu and dname == dtypes[0]
+                sms_list = [ARGS.sms] + ([s for s in sweep if s != ARGS.sms] if sweep_here else [])
                 P_sf = ARGS.scales if dname == "fp8" else 0
                 inputs = make_inputs(mesh, N, H, K, E, dname, P_sf, seed=N + 1)
                 recv_rows, remote_rows = traffic(mesh, inputs[1], E)
