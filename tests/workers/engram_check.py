@@ -444,7 +444,7 @@ def _():
     _raises(lambda: in_sm(lambda a: t.write(a), jnp.zeros((16, 64), jnp.float32)), TypeError, "storage dtype")
     _raises(lambda: in_sm(lambda a: t.write(a, jnp.zeros((R * 16, 1), jnp.float32)), x), ValueError, "sf given")
     _raises(lambda: in_sm(lambda a: t8.write(a), x.astype(FP8)), ValueError, "pass sf")
-    _raises(lambda: in_sm(lambda a, s: t8.write(a, s), x.astype(FP8), jnp.zeros((16, 1), jnp.float32)),
+    _raises(lambda: in_sm(lambda a, s: t8.write(a, s), x.astype(FP8), jnp.zeros((R * 16 + 1, 1), jnp.float32)),
             ValueError, "sf must be", f"[{R * 16}, 1]")
     _raises(lambda: in_sm(lambda a, s: t8.write(a, s), x.astype(FP8), jnp.zeros((R * 16, 1), jnp.int32)),
             TypeError, "sf dtype")
@@ -454,7 +454,7 @@ def _():
     _raises(lambda: in_sm(lambda i: t.lookup(i)[0], jnp.zeros((6,), jnp.int32)), ValueError, "indices", "[T, E]")
     _raises(lambda: in_sm(lambda i: t.wait(i), ids), TypeError, "EngramPending")
     _raises(lambda: t.lookup(ids), ValueError, "shard_map")
-    _raises(lambda: t.write_global(np.zeros((16, 64), BF16)), ValueError, "whole table")
+    _raises(lambda: t.write_global(np.zeros((R * 16 + 1, 64), BF16)), ValueError, "whole table")
     _raises(lambda: t.lookup_global(np.zeros((5,), np.int32)), ValueError, "[T, E]")
 
 
