@@ -276,6 +276,9 @@ def run_case(ctx, c: Case):
         cmp("unaligned", o["unaligned"], rd["num_unaligned_recv_tokens_per_expert"][r])
         ncol = K + 2 if c.expand else 2
         cmp("meta", o["meta"][tv][:, :ncol], rd["recv_src_metadata"][r][tv][:, :ncol])
+        if os.environ.get("EP_DEBUG") and not same(o["meta"][tv][:, :ncol], rd["recv_src_metadata"][r][tv][:, :ncol]):
+            print("DEBUGMETA", r, o["meta"][tv][:3, :2].tolist(), rd["recv_src_metadata"][r][tv][:3, :2].tolist(),
+                  [idx[g // M][g % M].tolist() for g in o["meta"][tv][:3, 0]], flush=True)
         cmp("dst_row", o["dst_row"], dst_ref[r])
         cmp("recv_x", o["recv_x"][rv], rd["recv_x"][r][rv])
         cmp("cached recv_x", o["c_recv_x"][rv], rc["recv_x"][r][rv])
@@ -545,7 +548,7 @@ def suite_grad_nonexpand(ctx):
 
 def suite_example(_ctx):
     ex = load_example()
-    check("example_runs", lambda: (ex.main(["--tokens", "16", "--quiet"]) == 0, ""))
+    check("example_runs", lambda: (ex.main(["--tokens", "16", "--quiet", "--dtypes", "float32"]) == 0, ""))
 
 
 SUITES = {"cases": suite_cases, "quick": suite_quick, "cache": suite_cache, "errors": suite_errors,
