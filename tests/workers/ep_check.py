@@ -409,27 +409,53 @@ def expect_error(fn, *needles):
 def suite_errors(_ctx_unused):
     E, K, M, H = 2 * R, 2, 8, 128
 
-    def run_bad(idx_full, needles):
+    def run_bad(idx_full, needles, detail):
         ctx = je.init(mesh, "ep", timeout_s=args.timeout)
         try:
             f = jax.jit(jax.shard_map(
                 lambda x, i: ep.dispatch(x[0], i[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M).recv_x[None],
                 mesh=mesh, in_specs=SPEC, out_specs=SPEC))
             x = np.ones((R, M, H), jnp.bfloat16)
-            return expect_error(lambda: jax.block_until_ready(f(shard(x), shard(idx_full))), *needles)
+
+            def go():  # GPU kernels record the error; the next op / ctx.check() raises it
+                jax.block_until_ready(f(shard(x), shard(idx_full)))
+                ctx.check()
+
+            ok, msg = expect_error(go, *needles)
+            if not ok and devices[0].platform != "cpu":  # generic device-error text: detail = token*64 + kind
+                ok2, msg2 = expect_error(go, f"detail {detail}")
+                return ok2, msg + " / " + msg2
+            return ok, msg
         finally:
             ctx.close()
 
     good = np.tile(np.array([[0, 1]], np.int32), (R, M, 1))
     dup = good.copy()
     dup[0, 3] = [1, 1]
-    check("error_duplicate_expert_names_token", lambda: run_bad(dup, ["token 3", "expert 1", "more than once"]))
+    check("error_duplicate_expert_names_token",
+          lambda: run_bad(dup, ["token 3", "expert 1", "more than once"], 3 * 64 + 1))
     oob = good.copy()
     oob[R - 1, 5, 1] = E
-    check("error_expert_out_of_range", lambda: run_bad(oob, ["token 5", f"expert id {E}", "outside [-1"]))
+    check("error_expert_out_of_range", lambda: run_bad(oob, ["token 5", f"expert id {E}", "outside [-1"], 5 * 64 + 2))
     neg = good.copy()
     neg[0, 2, 0] = -7
-    check("error_expert_below_minus_one", lambda: run_bad(neg, ["token 2", "expert id -7"]))
+    check("error_expert_below_minus_one", lambda: run_bad(neg, ["token 2", "expert id -7"], 2 * 64 + 2))
+
+    def too_small():
+        ctx = je.init(mesh, "ep", device_bytes=1 << 20, timeout_s=args.timeout)
+        try:
+            Mb = 4096  # staging needs 2 * 4096 * 7168 * 2 bytes > 1 MiB
+            f = jax.jit(jax.shard_map(
+                lambda x, i: ep.dispatch(x[0], i[0], ctx=ctx, num_experts=E, max_tokens_per_rank=Mb).recv_x[None],
+                mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+            spec = [jax.ShapeDtypeStruct((R, 8, 7168), jnp.bfloat16, sharding=NamedSharding(mesh, SPEC)),
+                    jax.ShapeDtypeStruct((R, 8, K), jnp.int32, sharding=NamedSharding(mesh, SPEC))]
+            need = ep.dispatch_staging_bytes(R, Mb, K, E, 7168 * 2, 0)
+            return expect_error(lambda: f.trace(*spec), "EP dispatch buffer", str(need), "device_bytes")
+        finally:
+            ctx.close()
+
+    check("error_window_too_small_names_bytes", too_small)
 
     # Trace-time validation: messages name the argument.
     ctx = je.init(mesh, "ep", timeout_s=args.timeout)
