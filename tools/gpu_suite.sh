@@ -24,16 +24,23 @@ for what in "${@:-foundation}"; do
       log "gpu_foundation_check 1 process rc=$?"; grep -E "PASS|FAIL|topology" "$OUT/gpu_foundation_1p.log" | head -30
       ;;
     engram)
-      timeout 500 $PY -m pytest -q -rs tests/test_engram.py -k gpu > "$OUT/engram.log" 2>&1
-      log "engram pytest rc=$?"; tail -15 "$OUT/engram.log" | tee -a "$OUT/summary.txt" ;;
+      timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full > "$OUT/engram_1p.log" 2>&1
+      log "engram_check 1 process x 2 GPUs rc=$?"; grep -E "FAIL|SUMMARY|passed" "$OUT/engram_1p.log" | head -20 | tee -a "$OUT/summary.txt"
+      timeout 300 $PY -m jax_engram.launch -n 2 --platform cuda tests/workers/engram_check.py --suite full > "$OUT/engram_2p.log" 2>&1
+      log "engram_check 2 processes rc=$?"; grep -E "FAIL|SUMMARY|passed" "$OUT/engram_2p.log" | head -20 | tee -a "$OUT/summary.txt" ;;
     ep)
-      timeout 500 $PY -m pytest -q -rs tests/test_ep.py -k gpu > "$OUT/ep.log" 2>&1
-      log "ep pytest rc=$?"; tail -15 "$OUT/ep.log" | tee -a "$OUT/summary.txt" ;;
+      timeout 400 $PY tests/workers/ep_check.py --platform gpu --suite full > "$OUT/ep_1p.log" 2>&1
+      log "ep_check 1 process x 2 GPUs rc=$?"; grep -E "FAIL|SUMMARY|passed" "$OUT/ep_1p.log" | head -30 | tee -a "$OUT/summary.txt"
+      timeout 400 $PY -m jax_engram.launch -n 2 --platform cuda tests/workers/ep_check.py --suite full > "$OUT/ep_2p.log" 2>&1
+      log "ep_check 2 processes rc=$?"; grep -E "FAIL|SUMMARY|passed" "$OUT/ep_2p.log" | head -30 | tee -a "$OUT/summary.txt" ;;
+    foundation_gpu)
+      timeout 400 $PY -m pytest -q -rs tests/test_foundation.py -k gpu > "$OUT/foundation.log" 2>&1
+      log "foundation GPU pytest rc=$?"; tail -4 "$OUT/foundation.log" | tee -a "$OUT/summary.txt" ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;
     bench_ep)
-      timeout 400 $PY benchmarks/bench_ep.py --out "$OUT/bench_ep.json" > "$OUT/bench_ep.log" 2>&1
+      timeout 560 $PY benchmarks/bench_ep.py --out "$OUT/bench_ep.json" > "$OUT/bench_ep.log" 2>&1
       log "bench_ep rc=$?"; tail -40 "$OUT/bench_ep.log" ;;
   esac
 done
