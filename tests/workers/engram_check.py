@@ -522,6 +522,9 @@ def main():
             print(f"PASS {name} ({time.perf_counter() - t0:.2f}s)", flush=True)
         times[name] = round(time.perf_counter() - t0, 3)
     ctx.close()
+    print(f"SUMMARY engram_check: {len(passed)} passed, {len(failed)} failed ({PLATFORM}, {R} ranks, "
+          f"{jax.process_count()} processes, suite {args.suite}){': ' + ', '.join(failed) if failed else ''}",
+          flush=True)
     emit_result(dict(info, passed=passed, failed=failed, times=times))
     return 1 if failed else 0
 
