@@ -15,7 +15,6 @@ forward / gradient differences against both and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 

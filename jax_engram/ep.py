@@ -306,11 +306,6 @@ def _valid_rows(cfg: _Config, num_recv, psum_expert, unaligned):
     return (r >= start[e]) & (r < psum_expert[e])
 
 
-def _zero_ct(x):
-    """Cotangent placeholder for a non-differentiable input."""
-    return None
-
-
 # ------------------------------------------------------------------------------------------- dispatch vjp
 # Operands after the static ones: x, w ([N,K] or [N,0]), sf ([N,P]), routing (tuple of int arrays), token (f32).
 # routing = (topk_idx,) for a dispatch, (meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx) cached.
