@@ -595,8 +595,10 @@ for s in want:
     if s in ("errors", "example"):
         SUITES[s](None)
 
-print(f"EP checks: {sum(results.values())}/{len(results)} passed on {R} ranks, {jax.process_count()} processes, "
-      f"{devices[0].platform}, {time.time() - T0:.1f}s", flush=True)
+failed = [k for k, v in results.items() if not v]
+print(f"SUMMARY ep_check: {len(results) - len(failed)} passed, {len(failed)} failed ({devices[0].platform}, {R} ranks, "
+      f"{jax.process_count()} processes, {time.time() - T0:.1f}s){' FAILED: ' + ', '.join(failed) if failed else ''}",
+      flush=True)
 launch.emit_result({"checks": results, "devices": R, "processes": jax.process_count(),
                     "platform": devices[0].platform})
 launch.shutdown()
