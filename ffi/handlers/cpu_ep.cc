@@ -2,127 +2,24 @@
 // lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
 #include <cstring>
 #include <initializer_list>
-#include <sstream>
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/validate.h"
 #include "jax_engram/ep_layout.h"
 #include "kernels/cpu/ep.h"
 
 namespace jax_engram {
 namespace {
 
-using DT = ffi::DataType;
-
-const char* dt_name(DT t) {
-  switch (t) {
-    case DT::BF16: return "bfloat16";
-    case DT::F16: return "float16";
-    case DT::F32: return "float32";
-    case DT::S32: return "int32";
-    case DT::S64: return "int64";
-    case DT::F8E4M3FN: return "float8_e4m3fn";
-    default: return "other";
-  }
-}
-
-int64_t elt_bytes(DT t) {
-  switch (t) {
-    case DT::F8E4M3FN: return 1;
-    case DT::BF16: case DT::F16: return 2;
-    case DT::F32: case DT::S32: return 4;
-    default: return 0;
-  }
-}
-
-std::string shape_str(const ffi::AnyBuffer& b) {
-  std::ostringstream s;
-  s << "[";
-  auto d = b.dimensions();
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? "," : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
-// Checks shape (-1 = any extent) and dtype (empty list = any); message names the argument.
-ffi::Error check(int32_t op, const char* name, const ffi::AnyBuffer& b, std::initializer_list<int64_t> shape,
-                 std::initializer_list<DT> dtypes) {
-  auto d = b.dimensions();
-  bool ok = d.size() == shape.size();
-  size_t i = 0;
-  for (int64_t want : shape) {
-    if (ok && want >= 0 && d[i] != want) ok = false;
-    ++i;
-  }
-  std::ostringstream want_s;
-  want_s << "[";
-  i = 0;
-  for (int64_t w : shape) want_s << (i++ ? "," : "") << (w < 0 ? std::string("?") : std::to_string(w));
-  want_s << "]";
-  if (!ok) return op_error(op, std::string(name) + " must have shape " + want_s.str() + ", got " + shape_str(b));
-  if (dtypes.size()) {
-    bool dt_ok = false;
-    std::string names;
-    for (DT t : dtypes) {
-      dt_ok |= b.element_type() == t;
-      names += (names.empty() ? "" : " or ") + std::string(dt_name(t));
-    }
-    if (!dt_ok)
-      return op_error(op, std::string(name) + " must be " + names + ", got " + dt_name(b.element_type()));
-  }
-  return ffi::Error::Success();
-}
-
-#define JE_CHECK(expr)                     \
-  do {                                     \
-    ffi::Error _e = (expr);                \
-    if (!_e.success()) return _e;          \
-  } while (0)
+using namespace validate;
 
 // After a kernel failed: EP input errors get a message naming the rank, token and value.
 ffi::Error finish(MemberScope& s, int64_t num_experts) {
   const ErrorRecord& e = *s->error_host;
-  if (e.code == kErrBadInput && (e.op == kOpEpDispatch || e.op == kOpEpCombine)) {
-    const int64_t where = e.detail / 64, kind = e.detail % 64;
-    const std::string who = e.peer == e.rank ? "this rank (" + std::to_string(e.rank) + ")"
-                                              : "rank " + std::to_string(e.peer);
-    std::ostringstream m;
-    m << "jax_engram " << op_name(e.op) << " on rank " << e.rank << " of " << s->label << ": ";
-    if (kind == kEpBadDuplicateExpert)
-      m << "topk_idx of " << who << ", token " << where << ", lists expert " << e.observed
-        << " more than once (duplicate expert ids within a token are illegal)";
-    else if (kind == kEpBadExpertRange)
-      m << "topk_idx of " << who << ", token " << where << ", holds expert id " << e.observed
-        << " outside [-1, num_experts=" << num_experts << ")";
-    else
-      m << "the handle's arrays are inconsistent on " << who << " (entry " << where << ", value " << e.observed
-        << "): pass the handle returned by the dispatch this call reverses or replays";
-    m << ". The context is unusable; close it and init a new one.";
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, m.str());
-  }
+  if (e.code == kErrBadInput)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, describe_error(s.member(), e, num_experts));
   return s.check_recorded();
-}
-
-struct Common {
-  int64_t R, M, E, E_loc, K, N, rows;
-};
-
-ffi::Error check_config(int32_t op, Member& m, int64_t num_experts, int64_t M, int64_t expand, int64_t A,
-                        int64_t N, int64_t K, Common* c) {
-  const int64_t R = m.nranks;
-  if (num_experts <= 0 || num_experts % R != 0 || num_experts > kEpMaxExperts)
-    return op_error(op, "num_experts=" + std::to_string(num_experts) + " must be a positive multiple of the " +
-                            std::to_string(R) + " ranks and <= " + std::to_string(kEpMaxExperts));
-  if (num_experts / R > kEpMaxLocalExperts)
-    return op_error(op, "num_experts / ranks = " + std::to_string(num_experts / R) + " exceeds " +
-                            std::to_string(kEpMaxLocalExperts));
-  if (M <= 0 || N > M)
-    return op_error(op, "max_tokens_per_rank=" + std::to_string(M) + " must be >= the token count " +
-                            std::to_string(N) + " and > 0");
-  if (K <= 0 || K > kEpMaxTopk) return op_error(op, "top-k " + std::to_string(K) + " must be in [1, 32]");
-  if (A <= 0) return op_error(op, "expert_alignment must be >= 1");
-  *c = Common{R, M, num_experts, num_experts / R, K, N, ep_rows(expand != 0, R, M, K, num_experts / R, A)};
-  return ffi::Error::Success();
 }
 
 ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {

@@ -4,7 +4,9 @@
 
 #include <cstdio>
 #include <fstream>
-#include <sstream>
+#include <cstdio>
+
+#include "jax_engram/ep_layout.h"
 
 namespace jax_engram {
 
@@ -145,30 +147,50 @@ std::vector<Member*> Registry::members() {
   return out;
 }
 
-std::string describe_error(const Member& m, const ErrorRecord& e) {
-  if (e.code == kErrNone) return {};
-  std::ostringstream s;
-  s << "jax_engram " << op_name(e.op) << " on rank " << e.rank << " of " << m.label << ": ";
+// Plain string building: std::ostream number formatting crashed inside our module on the GPU image (locale
+// facets of another libstdc++ in the process), so no iostreams in any error path.
+std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_experts) {
+  if (e.code <= kErrNone) return {};
+  using std::to_string;
+  std::string s = std::string("jax_engram ") + op_name(e.op) + " on rank " + to_string(e.rank) + " of " + m.label + ": ";
+  const bool ep = e.op == kOpEpDispatch || e.op == kOpEpCombine;
   switch (e.code) {
-    case kErrTimeout:
-      s << "timed out after " << (e.elapsed_ns / 1e9) << " s waiting for peer rank " << e.peer
-        << " (expected " << e.expected << ", saw " << e.observed << "). The peer did not arrive: it crashed, "
-        << "hung, or ran a different sequence of jax_engram ops. Raise timeout_s in jax_engram.init() if it is "
-        << "only slow.";
+    case kErrTimeout: {
+      char secs[32];
+      snprintf(secs, sizeof(secs), "%.3g", e.elapsed_ns / 1e9);
+      s += std::string("timed out after ") + secs + " s waiting for peer rank " + to_string(e.peer) + " (expected " +
+           to_string(e.expected) + ", saw " + to_string(e.observed) +
+           "). The peer did not arrive: it crashed, hung, or ran a different sequence of jax_engram ops. Raise "
+           "timeout_s in jax_engram.init() if it is only slow";
       break;
+    }
     case kErrBadInput:
-      s << "invalid input on the device (detail " << e.detail << ", expected " << e.expected << ", saw "
-        << e.observed << ")";
+      if (ep) {  // detail = token * 64 + EpBadKind, observed = the offending value, peer = the rank that has it
+        const int64_t where = e.detail / 64, kind = e.detail % 64;
+        const std::string who = e.peer == e.rank ? "this rank (" + to_string(e.rank) + ")" : "rank " + to_string(e.peer);
+        const std::string range = num_experts > 0 ? "num_experts=" + to_string(num_experts) : std::string("num_experts");
+        if (kind == kEpBadDuplicateExpert)
+          s += "topk_idx of " + who + ", token " + to_string(where) + ", lists expert " + to_string(e.observed) +
+               " more than once (duplicate expert ids within a token are illegal)";
+        else if (kind == kEpBadExpertRange)
+          s += "topk_idx of " + who + ", token " + to_string(where) + ", holds expert id " + to_string(e.observed) +
+               " outside [-1, " + range + ")";
+        else
+          s += "the handle's arrays are inconsistent on " + who + " (entry " + to_string(where) + ", value " +
+               to_string(e.observed) + "): pass the handle returned by the dispatch this call reverses or replays";
+        break;
+      }
+      s += "invalid input on the device (detail " + to_string(e.detail) + ", expected " + to_string(e.expected) +
+           ", saw " + to_string(e.observed) + ")";
       break;
     case kErrIdOutOfRange:
-      s << "index out of range in mode='checked': id " << e.observed << " at flat position " << e.detail
-        << " is not in [0, " << e.expected << ")";
+      s += "index out of range in mode='checked': id " + to_string(e.observed) + " at flat position " +
+           to_string(e.detail) + " is not in [0, " + to_string(e.expected) + ")";
       break;
     default:
-      s << "error code " << e.code;
+      s += "error code " + to_string(e.code);
   }
-  s << ". The context is unusable; close it and init a new one.";
-  return s.str();
+  return s + ". The context is unusable; close it and init a new one.";
 }
 
 void record_error(ErrorRecord* rec, int32_t code, int32_t op, int32_t rank, int32_t peer, int64_t expected,

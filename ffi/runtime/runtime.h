@@ -129,8 +129,9 @@ class Registry {
   std::map<std::pair<int64_t, int32_t>, std::unique_ptr<Member>> members_;
 };
 
-// Formats the error record of a member as a user-facing message ("" if none).
-std::string describe_error(const Member& m, const ErrorRecord& e);
+// Formats the error record of a member as a user-facing message ("" if none). num_experts, when known,
+// makes EP range errors name the bound.
+std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_experts = -1);
 
 // First error wins. Safe from several host threads (device code uses its own atomics on the same layout).
 void record_error(ErrorRecord* rec, int32_t code, int32_t op, int32_t rank, int32_t peer, int64_t expected,
