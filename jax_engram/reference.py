@@ -88,6 +88,16 @@ _SF_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
 # --------------------------------------------------------------------------- #
 # Small utilities
 # --------------------------------------------------------------------------- #
+def _bf16_round(a):
+    """Round f32 values to bf16 precision, staying f32.
+
+    XLA may drop a convert(f32 -> bf16 -> f32) pair ("excess precision", on by default), which silently
+    removes the roundings the combine contract prescribes whenever the caller computes in f32 inside the same
+    jit (seen on XLA:GPU and XLA:CPU). reduce_precision is an explicit op XLA must keep.
+    """
+    return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7)
+
+
 def align(x, a):
     """Round ``x`` up to a multiple of ``a`` (Python ints or integer arrays)."""
     return (x + a - 1) // a * a
@@ -555,16 +565,17 @@ def _ep_combine_impl(y, meta, num_recv, topk_idx, topk_weights, biases, E, M, ex
     token_valid = row_ids[None, :] < num_recv[:, None]                        # [R, rows_ne]
 
     # ---- expert side: what each received token row sends back --------------
+    yf = _bf16_round(y.astype(f32))  # rounding kept even when y was computed in f32 by the caller's jit
     if not expand:
-        sent = y                                                              # [R, rows_ne, H]
+        sent = yf                                                             # [R, rows_ne, H]
     else:
         acc = jnp.full((R, rows_ne, H), _NEG_ZERO, f32)
         for k in range(K):
             r = meta[:, :, 2 + k]
             ok = token_valid & (r >= 0)
-            v = y[ranks[:, None], jnp.clip(r, 0, rows - 1)].astype(f32)
+            v = yf[ranks[:, None], jnp.clip(r, 0, rows - 1)]
             acc = acc + jnp.where(ok[..., None], v, _NEG_ZERO)
-        sent = acc.astype(jnp.bfloat16)
+        sent = _bf16_round(acc)  # one rounding per reduction level
 
     # ---- source side: token (s, t) -> its row on rank d ---------------------
     gid = meta[:, :, 0]
@@ -586,12 +597,12 @@ def _ep_combine_impl(y, meta, num_recv, topk_idx, topk_weights, biases, E, M, ex
 
     acc = jnp.full((R, N, H), _NEG_ZERO, f32)
     for b in biases:
-        acc = acc + b.astype(f32)
+        acc = acc + _bf16_round(b.astype(f32))
     for k in range(K):  # ascending position == ascending master position
-        v = sent[own[:, :, k], row_safe[:, :, k]].astype(f32)                 # [R, N, H]
+        v = sent[own[:, :, k], row_safe[:, :, k]]                             # [R, N, H]
         acc = acc + jnp.where(is_master[:, :, k, None], v, _NEG_ZERO)
     has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((R, N), bool)
-    combined_x = jnp.where(has_term[..., None], acc, 0.0).astype(jnp.bfloat16)
+    combined_x = _bf16_round(jnp.where(has_term[..., None], acc, 0.0)).astype(jnp.bfloat16)
 
     if topk_weights is None:
         return combined_x, None

@@ -33,10 +33,6 @@ ap.add_argument("--ref-dir", default="", help="share reference results between p
 args = ap.parse_args()
 
 REPO = Path(__file__).resolve().parents[2]
-# The contract rounds to bf16 once per reduction level; XLA may otherwise drop a bf16 round trip inside the
-# (jitted) reference's combine ("excess precision"), which would make the reference deviate from it.
-if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 try:
     from jax_engram import launch
 except ModuleNotFoundError:
