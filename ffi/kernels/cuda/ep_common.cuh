@@ -153,6 +153,19 @@ JE_DEVICE bool wait_progress(const uint64_t* p, uint64_t target, unsigned long l
   }
   const uint64_t start = cuda::globaltimer_ns();
   uint64_t observed = 0;
+  // Pre-spin with relaxed (volatile) loads and a short __nanosleep backoff before the acquiring poll. Why:
+  // hundreds of pull warps spinning with ld.acquire.sys on the same few progress lines of a peer (every poll an
+  // NVLink round trip plus an L1 invalidation on the polling SM) slow down the very stage warps / stores they
+  // wait for (2 ranks x 24-32 CTAs x 12 pull warps); the backoff keeps the pollers off the link. The final
+  // poll_at_least still performs the acquire (progress words only grow, so it returns at once).
+  {
+    unsigned ns = 32;
+    while (ld_volatile_u64(p) < target) {
+      if (cuda::globaltimer_ns() - start > cuda::kErrorPollIntervalNs) break;  // fall back to the bounded poll
+      __nanosleep(ns);
+      ns = ns < 512 ? ns * 2 : 512;
+    }
+  }
   const cuda::WaitResult r = cuda::poll_at_least(p, target, start, w.timeout_ns, w.err, &observed);
   if (r == cuda::WaitResult::kOk) {
     if (slot) {
