@@ -175,7 +175,10 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
         dest = jnp.where(tk >= 0, tk // El, -1)
         cnt = (dest[:, :, None] == jnp.arange(R)[None, None, :]).sum(axis=1)           # [N, R]
         per = cnt if expand else jnp.minimum(cnt, 1)
-        parts = (xf[:, None, :] * per[:, :, None].astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+        # reduce_precision, not astype(bf16).astype(f32): XLA drops that round trip (excess precision) and the
+        # expected values would miss the expert-side rounding the contract prescribes.
+        parts = lax.reduce_precision(xf[:, None, :] * per[:, :, None].astype(jnp.float32), exponent_bits=8,
+                                     mantissa_bits=7)
         acc = jnp.full(xf.shape, -0.0, jnp.float32)  # left fold from -0.0 (a lone -0.0 term stays -0.0)
         for d in range(R):
             acc = acc + jnp.where(per[:, d, None] > 0, parts[:, d], -0.0)

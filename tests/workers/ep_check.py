@@ -527,9 +527,11 @@ def suite_grad_nonexpand(ctx):
     def ours(x, w, b, idx, g1, g2, g3, g4):
         def body(x, w, b, idx, g1, g2, g3, g4):
             d = ep.dispatch(x[0], idx[0], w[0], ctx=ctx, **kw)
-            local_k = d.recv_topk_idx >= 0
-            rw = jnp.where(local_k, d.recv_topk_weights, 0.0)
+            # Rows past num_recv_tokens are unspecified (the contract): mask them like recv_x below. The CPU
+            # backend happens to zero them; on GPU they hold whatever XLA's buffer held.
             valid = (jnp.arange(R * M) < d.num_recv_tokens)[:, None]
+            local_k = (d.recv_topk_idx >= 0) & valid
+            rw = jnp.where(local_k, d.recv_topk_weights, 0.0)
             y = (jnp.where(valid, d.recv_x, 0.0) * (1.0 + rw.sum(-1, keepdims=True))).astype(jnp.bfloat16)
             cx, cw = ep.combine(y, d.handle, topk_weights=rw * 2.0, bias=b[0])
             loss = (jnp.sum(jnp.where(valid, d.recv_x, 0.0) * g1[0]) + jnp.sum(cx.astype(jnp.float32) * g2[0])
