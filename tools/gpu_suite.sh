@@ -36,6 +36,10 @@ for what in "${@:-foundation}"; do
     foundation_gpu)
       timeout 400 $PY -m pytest -q -rs tests/test_foundation.py -k gpu > "$OUT/foundation.log" 2>&1
       log "foundation GPU pytest rc=$?"; tail -4 "$OUT/foundation.log" | tee -a "$OUT/summary.txt" ;;
+    probe)
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe.log" 2>&1 &&
+        timeout 240 "$OUT/probe_nvlink" 256 >> "$OUT/probe.log" 2>&1
+      log "probe_nvlink rc=$?"; cat "$OUT/probe.log"; rm -f "$OUT/probe_nvlink" ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;

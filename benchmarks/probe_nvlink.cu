@@ -1,0 +1,242 @@
+// NVLink transfer ceilings between two GPUs of one process, by transfer engine and direction, so that the EP and
+// Engram kernels can be judged against what SM loads/stores and TMA bulk copies can reach with a given number of
+// SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB]
+//
+// Every line: engine, pattern, direction (1 = GPU0 -> GPU1 only, 2 = both at once), CTAs, GB/s per direction.
+// "write" = SM loads of local memory, stores to the peer; "read" = loads of the peer's memory, stores to local;
+// "gather256" = reads of random 256-byte rows of a 1 GiB peer table (the Engram access pattern); "scatter256" =
+// stores of local rows to random 256-byte rows of the peer; "tma_*" = cp.async.bulk through shared memory.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int kThreads = 512;
+
+// Contiguous copy, each warp moves 32 x 16 B x U per step; grid-stride over the whole range.
+template <int U>
+__global__ void __launch_bounds__(kThreads) copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n; base += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < n) v[u] = __ldcg(src + base + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < n) dst[base + u * stride] = v[u];
+  }
+}
+
+// 256-byte rows: 16 lanes per row; row r of the output <- row idx[r] of the table (gather), or the reverse.
+template <int U, bool kGather>
+__global__ void __launch_bounds__(kThreads) rows_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                    const uint32_t* __restrict__ idx, size_t rows) {
+  const size_t units = rows * 16;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < units; base += stride * U) {
+    uint4 v[U];
+    size_t d[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t q = base + u * stride;
+      if (q < units) {
+        const size_t r = q >> 4, c = q & 15;
+        const size_t tr = idx[r];
+        v[u] = __ldcg(src + (kGather ? tr * 16 + c : q));
+        d[u] = kGather ? q : tr * 16 + c;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < units) dst[d[u]] = v[u];
+  }
+}
+
+// TMA bulk copy src -> smem -> dst, kStages buffers of kChunk bytes per CTA, one issuing thread.
+constexpr int kChunk = 32 * 1024;
+constexpr int kStages = 6;
+
+__device__ __forceinline__ void mbar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(b)), "r"(n));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(b)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned phase) {
+  asm volatile(
+      "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}" ::"r"(
+          (unsigned)__cvta_generic_to_shared(b)),
+      "r"(phase)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* s, const void* g, unsigned bytes, uint64_t* b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(s)),
+               "l"(g), "r"(bytes), "r"((unsigned)__cvta_generic_to_shared(b))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_s2g(void* g, const void* s, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g),
+               "r"((unsigned)__cvta_generic_to_shared(s)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+__global__ void __launch_bounds__(32) tma_copy_kernel(const uint8_t* src, uint8_t* dst, size_t bytes) {
+  extern __shared__ __align__(128) uint8_t sm[];
+  __shared__ __align__(8) uint64_t bar[kStages];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < kStages; ++s) mbar_init(&bar[s], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const size_t nchunks = bytes / kChunk;
+  // chunk q of this CTA: blockIdx.x + q * gridDim.x
+  size_t mine = nchunks > blockIdx.x ? (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  size_t issued = 0, done = 0;
+  unsigned phase[kStages] = {};
+  while (done < mine) {
+    while (issued < mine && issued - done < kStages) {
+      const int s = issued % kStages;
+      // the stage's previous store must have read smem before it is overwritten
+      const size_t off = (blockIdx.x + issued * gridDim.x) * kChunk;
+      mbar_expect_tx(&bar[s], kChunk);
+      bulk_g2s(sm + s * kChunk, src + off, kChunk, &bar[s]);
+      ++issued;
+    }
+    const int s = done % kStages;
+    mbar_wait(&bar[s], phase[s]);
+    phase[s] ^= 1;
+    bulk_s2g(dst + (blockIdx.x + done * gridDim.x) * kChunk, sm + s * kChunk, kChunk);
+    bulk_commit();
+    ++done;
+    bulk_wait_read<0>();  // simple: the smem of stage s is free again before it is refilled
+  }
+  bulk_wait_all();
+}
+
+struct Dev {
+  uint8_t* a;  // source of transfers that start here
+  uint8_t* b;  // destination of transfers that end here
+  uint8_t* table;
+  uint32_t* idx;
+  cudaStream_t st;
+};
+
+using Launch = void (*)(int dev, const Dev* d, int peer, int ctas, size_t bytes);
+
+static Dev g_dev[2];
+
+double run(Launch f, int dirs, int ctas, size_t bytes, int iters = 10) {
+  for (int w = 0; w < 2; ++w)
+    for (int i = 0; i < dirs; ++i) {
+      CK(cudaSetDevice(i));
+      f(i, g_dev, 1 - i, ctas, bytes);
+    }
+  for (int i = 0; i < 2; ++i) {
+    CK(cudaSetDevice(i));
+    CK(cudaStreamSynchronize(g_dev[i].st));
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  for (int it = 0; it < iters; ++it)
+    for (int i = 0; i < dirs; ++i) {
+      CK(cudaSetDevice(i));
+      f(i, g_dev, 1 - i, ctas, bytes);
+    }
+  for (int i = 0; i < 2; ++i) {
+    CK(cudaSetDevice(i));
+    CK(cudaStreamSynchronize(g_dev[i].st));
+  }
+  CK(cudaGetLastError());
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+  return bytes / s / 1e9;
+}
+
+// ---- the patterns; `dev` launches, the bytes move between dev and peer ----
+void ce(int dev, const Dev* d, int peer, int, size_t bytes) {
+  CK(cudaMemcpyPeerAsync(d[peer].b, peer, d[dev].a, dev, bytes, d[dev].st));
+}
+void sm_write(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  copy_kernel<8><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[dev].a, (uint4*)d[peer].b, bytes / 16);
+}
+void sm_read(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  copy_kernel<8><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].a, (uint4*)d[dev].b, bytes / 16);
+}
+void gather256(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  rows_kernel<8, true><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].table, (uint4*)d[dev].b, d[dev].idx,
+                                                         bytes / 256);
+}
+void scatter256(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  rows_kernel<8, false><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[dev].a, (uint4*)d[peer].table, d[dev].idx,
+                                                          bytes / 256);
+}
+void tma_read(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[peer].a, d[dev].b, bytes);
+}
+void tma_write(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[dev].a, d[peer].b, bytes);
+}
+
+int main(int argc, char** argv) {
+  const size_t mib = argc > 1 ? std::atol(argv[1]) : 256;
+  const size_t bytes = mib << 20, table_bytes = size_t(1) << 30;
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  if (n < 2) {
+    std::printf("probe_nvlink: needs 2 GPUs, found %d\n", n);
+    return 0;
+  }
+  for (int i = 0; i < 2; ++i) {
+    CK(cudaSetDevice(i));
+    CK(cudaDeviceEnablePeerAccess(1 - i, 0));
+    CK(cudaFuncSetAttribute(tma_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kChunk));
+    Dev& d = g_dev[i];
+    CK(cudaMalloc(&d.a, bytes));
+    CK(cudaMalloc(&d.b, std::max(bytes, table_bytes)));
+    CK(cudaMalloc(&d.table, table_bytes));
+    CK(cudaMalloc(&d.idx, bytes / 256 * 4));
+    CK(cudaMemset(d.a, 1 + i, bytes));
+    CK(cudaMemset(d.table, 3 + i, table_bytes));
+    std::vector<uint32_t> h(bytes / 256);
+    uint64_t x = 0x9e3779b97f4a7c15ull + i;
+    for (auto& v : h) {
+      x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+      v = static_cast<uint32_t>(x % (table_bytes / 256));
+    }
+    CK(cudaMemcpy(d.idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaStreamCreateWithFlags(&d.st, cudaStreamNonBlocking));
+  }
+  std::printf("probe_nvlink: %zu MiB per transfer, 2 GPUs, %d threads per CTA (SM kernels), TMA %d x %d KiB stages\n",
+              mib, kThreads, kStages, kChunk / 1024);
+  std::printf("%-11s %4s %5s %9s\n", "engine", "dirs", "ctas", "GB/s/dir");
+  for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
+  struct P { const char* name; Launch f; };
+  const P pats[] = {{"sm_write", sm_write}, {"sm_read", sm_read}, {"tma_write", tma_write}, {"tma_read", tma_read},
+                    {"gather256", gather256}, {"scatter256", scatter256}};
+  const int ctas[] = {8, 16, 24, 32, 66, 132};
+  for (const P& p : pats)
+    for (int dirs = 1; dirs <= 2; ++dirs)
+      for (int c : ctas) std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes));
+  std::fflush(stdout);
+  return 0;
+}
