@@ -67,6 +67,39 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const uint4* __restrict_
   }
 }
 
+// Engram-like gather variants: kVolatile = ld.volatile loads; kHalfLocal = odd rows from the local table (the
+// 2-rank Engram mix: half of the ids are owned locally).
+template <bool kVolatile, bool kHalfLocal>
+__global__ void __launch_bounds__(kThreads) gather_var_kernel(const uint4* __restrict__ remote,
+                                                          const uint4* __restrict__ local, uint4* __restrict__ dst,
+                                                          const uint32_t* __restrict__ idx, size_t rows) {
+  constexpr int U = 8;
+  const size_t units = rows * 16;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < units; base += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t q = base + u * stride;
+      if (q < units) {
+        const size_t r = q >> 4, c = q & 15;
+        const uint4* src = (kHalfLocal && (r & 1)) ? local : remote;
+        const uint4* a = src + size_t(idx[r]) * 16 + c;
+        if (kVolatile)
+          asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                       : "l"(a)
+                       : "memory");
+        else
+          v[u] = __ldcg(a);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < units) dst[base + u * stride] = v[u];
+  }
+}
+
 // TMA bulk copy src -> smem -> dst, kStages buffers of kChunk bytes per CTA, one issuing thread.
 constexpr int kChunk = 32 * 1024;
 constexpr int kStages = 6;
@@ -190,6 +223,16 @@ void scatter256(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
   rows_kernel<8, false><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[dev].a, (uint4*)d[peer].table, d[dev].idx,
                                                           bytes / 256);
 }
+void gather256v(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  gather_var_kernel<true, false><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].table,
+                                                                   (const uint4*)d[dev].table, (uint4*)d[dev].b,
+                                                                   d[dev].idx, bytes / 256);
+}
+void gather256h(int dev, const Dev* d, int peer, int ctas, size_t bytes) {  // bytes = remote bytes
+  gather_var_kernel<false, true><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].table,
+                                                                   (const uint4*)d[dev].table, (uint4*)d[dev].b,
+                                                                   d[dev].idx, bytes / 128);
+}
 void tma_read(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
   tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[peer].a, d[dev].b, bytes);
 }
@@ -231,12 +274,16 @@ int main(int argc, char** argv) {
   std::printf("%-11s %4s %5s %9s\n", "engine", "dirs", "ctas", "GB/s/dir");
   for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
   struct P { const char* name; Launch f; };
-  const P pats[] = {{"sm_write", sm_write}, {"sm_read", sm_read}, {"tma_write", tma_write}, {"tma_read", tma_read},
-                    {"gather256", gather256}, {"scatter256", scatter256}};
+  const P pats[] = {{"sm_write", sm_write}, {"sm_read", sm_read}, {"gather256", gather256}};
   const int ctas[] = {8, 16, 24, 32, 66, 132};
   for (const P& p : pats)
     for (int dirs = 1; dirs <= 2; ++dirs)
       for (int c : ctas) std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes));
+  // Engram variants at full grid: volatile loads; half of the rows local (GB/s counts remote bytes only)
+  const P vars[] = {{"gather256v", gather256v}, {"gather256h", gather256h}};
+  for (const P& p : vars)
+    for (int dirs = 1; dirs <= 2; ++dirs)
+      for (int c : {132, 264, 528}) std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes / 2));
   std::fflush(stdout);
   return 0;
 }

@@ -70,23 +70,47 @@ def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:
     return _align(R * M * min(K, E_loc) + (A - 1) * E_loc, A)
 
 
-def dispatch_staging_bytes(R: int, M: int, K: int, E: int, hidden_bytes: int, num_scales: int) -> int:
-    """Bytes of a dispatch staging region (EpDispatchLayout::total_bytes in ep_layout.h)."""
+_INBOX_CTAS = 160  # kEpInboxCtas in ep_layout.h
+
+
+def _inbox_bytes(R: int, M: int, K: int, E: int, x_row: int, sf_row: int) -> int:
+    off = _align(64 + 8 * _INBOX_CTAS, _ALIGN)  # ctrl + progress
+    off = _align(off + 4 * R, _ALIGN)           # counts
+    off = _align(off + 4 * E, _ALIGN)           # exp_counts
+    off = _align(off + 4 * M, _ALIGN)           # pos
+    off = _align(off + 4 * M * K, _ALIGN)       # topk_idx
+    off = _align(off + 4 * M * K, _ALIGN)       # weights
+    off = _align(off + 4 * M * K, _ALIGN)       # pos_exp
+    off = _align(off + M * x_row, _ALIGN)       # x
+    return _align(off + M * sf_row, _ALIGN)     # scales
+
+
+def dispatch_staging_bytes(R: int, M: int, K: int, E: int, hidden_bytes: int, num_scales: int,
+                           push: bool = False) -> int:
+    """Bytes of a dispatch staging region (EpDispatchLayout::total_bytes in ep_layout.h); ``push`` is the CUDA
+    protocol (inbox slots on the receiver instead of staged rows on the sender)."""
     x_row, sf_row = _align(hidden_bytes, 16), _align(num_scales * 4, 16)
+    S = 0 if push else M
     off = _align(4 * R, _ALIGN)                 # counts
     off = _align(off + 4 * E, _ALIGN)           # exp_counts
     off = _align(off + 4 * M * K, _ALIGN)       # topk_idx
     off = _align(off + 4 * M * K, _ALIGN)       # weights
     off = _align(off + 4 * M * R, _ALIGN)       # pos_rank
     off = _align(off + 4 * M * K, _ALIGN)       # pos_exp
-    off = _align(off + M * x_row, _ALIGN)       # x
-    half = _align(off + M * sf_row, _ALIGN)     # scales
+    off = _align(off + S * x_row, _ALIGN)       # x
+    half = _align(off + S * sf_row, _ALIGN)     # scales
+    if push:
+        half += (R - 1) * _inbox_bytes(R, M, K, E, x_row, sf_row)
     return 2 * half
 
 
-def combine_staging_bytes(R: int, M: int, K: int, hidden_bytes: int) -> int:
+def combine_staging_bytes(R: int, M: int, K: int, hidden_bytes: int, push: bool = False) -> int:
     """Bytes of a combine staging region (EpCombineLayout::total_bytes in ep_layout.h)."""
-    off = _align(R * M * _align(hidden_bytes, 16), _ALIGN)
+    y_row = _align(hidden_bytes, 16)
+    if push:
+        slot = _align(_align(8 * _INBOX_CTAS, _ALIGN) + M * y_row, _ALIGN)
+        return 2 * R * _align(slot + 4 * M * K, _ALIGN)
+    off = _align(R * M * y_row, _ALIGN)
     half = _align(off + 4 * R * M * K, _ALIGN)
     return 2 * half
 
@@ -223,14 +247,15 @@ def _is(dtype, choices) -> bool:
 
 def _dispatch_region(cfg: _Config, hidden: int, dtype, num_scales: int):
     R, M, K, E = cfg.num_ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.num_experts
-    nbytes = dispatch_staging_bytes(R, M, K, E, hidden * np.dtype(dtype).itemsize, num_scales)
+    nbytes = dispatch_staging_bytes(R, M, K, E, hidden * np.dtype(dtype).itemsize, num_scales,
+                                    push=cfg.ctx.platform != "cpu")
     return cfg.ctx.region(nbytes, "device", key=("ep_dispatch", R, M, hidden, np.dtype(dtype).name, num_scales, K, E),
                           what="EP dispatch buffer")
 
 
 def _combine_region(cfg: _Config, hidden: int, dtype):
     R, M, K = cfg.num_ranks, cfg.max_tokens_per_rank, cfg.topk
-    nbytes = combine_staging_bytes(R, M, K, hidden * np.dtype(dtype).itemsize)
+    nbytes = combine_staging_bytes(R, M, K, hidden * np.dtype(dtype).itemsize, push=cfg.ctx.platform != "cpu")
     return cfg.ctx.region(nbytes, "device", key=("ep_combine", R, M, hidden, np.dtype(dtype).name, K),
                           what="EP combine buffer")
 

@@ -198,6 +198,8 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.err = m.error_device;
   f.rank = m.rank;
   f.sm_count = st.sm_count;
+  f.device_memory = region_in_device_segments(*a, static_cast<uint64_t>(offset),
+                                              static_cast<uint64_t>(num_entries) * row_bytes);
   cudaError_t ce = launch_engram_fetch(f, run_on);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the gather kernel", ce);
   return ffi::Error::Success();

@@ -124,7 +124,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   if (rows_tok >= (int64_t{1} << 31) || c.rows >= (int64_t{1} << 31))
     return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
   const int64_t x_bytes = H * elt_bytes(x.element_type());
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
+  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
   const EpLaunch l = launch_shape(m, num_sms, 4);
@@ -211,7 +211,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   if (rows_tok >= (int64_t{1} << 31) || c.rows >= (int64_t{1} << 31))
     return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
   const int64_t x_bytes = H * elt_bytes(x.element_type());
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
+  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
   const EpLaunch l = launch_shape(m, num_sms, 4);
@@ -239,6 +239,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   p.h_psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
   p.h_psum_expert = static_cast<const int32_t*>(psum_expert.untyped_data());
   p.h_unaligned = static_cast<const int32_t*>(unaligned.untyped_data());
+  p.h_dst_row = static_cast<const int32_t*>(dst_row.untyped_data());
   p.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
   p.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
   p.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
@@ -290,7 +291,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   if (rows_tok >= (int64_t{1} << 31) || rows >= (int64_t{1} << 31))
     return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
   const int64_t row_bytes = H * elt_bytes(y.element_type());
-  const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes);
+  const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
   const EpLaunch l = launch_shape(m, num_sms, expand ? 8 : 4);

@@ -114,16 +114,50 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 //   pos_rank    int32[M, R]       exclusive position of token t among this rank's tokens sent to d, or -1
 //   pos_exp     int32[M, K]       exclusive position of (t,k) among this rank's pairs to expert topk_idx[t,k]
 //                                 (in token order), or -1 when masked
-//   x           bytes[M, x_row]   x rows, x_row = align(H*elt, 16)
-//   scales      bytes[M, sf_row]  scale rows, sf_row = align(P*4, 16)
+//   x           bytes[S, x_row]   x rows, x_row = align(H*elt, 16)           (pull protocol: S = M; push: 0)
+//   scales      bytes[S, sf_row]  scale rows, sf_row = align(P*4, 16)
+//   inbox       EpInbox[B]        push protocol only (B = R-1): what each peer pushed to this rank
 // Cached dispatch writes only weights, x and scales (layout from the handle); the counting fields are
 // neither written nor read. Each section starts on a kEpAlign boundary.
+//
+// Two protocols share this layout. PULL (CPU backend): a rank stages its own rows, peers read them. PUSH (CUDA):
+// a rank writes each row straight into the inbox slot it owns on every destination rank, so NVLink carries
+// stores (posted writes, which reach the link rate with few SMs: benchmarks/probe_nvlink.cu) and every receiver
+// polls and reads only its own memory. Slot of source s on rank d: ep_inbox_slot(s, d, R) (own rows never
+// travel). Slot contents, per half:
+//   ctrl        uint64 flag (= seq once the header below is valid), bad (= seq if the source's input is bad),
+//               bad_detail, bad_value, n (the source's N), then progress[kEpInboxCtas]: progress[c] =
+//               (seq << 32) | n once source CTA c pushed its first n token chunks (release, system scope)
+//   counts      int32[R], exp_counts int32[E]   the source's totals (header)
+//   pos         int32[M]          pos_rank_s[t, d] (or -1), for every t < N_s
+//   topk_idx, weights, pos_exp    [M, K] rows of the tokens sent to d
+//   x, scales   [M] rows of the tokens sent to d (row t = token t)
+inline constexpr int kEpInboxCtas = 160;  // progress words per slot = the most CTAs an EP kernel may use
+JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R) % R - 1; }
+struct EpInbox {
+  int64_t R, M, K, E, x_row, sf_row;
+  static constexpr uint64_t kFlag = 0, kBad = 8, kBadDetail = 16, kBadValue = 24, kN = 32, kProgress = 64;
+  JE_HD uint64_t counts() const { return align_up(kProgress + 8ull * kEpInboxCtas, kEpAlign); }
+  JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
+  JE_HD uint64_t pos() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
+  JE_HD uint64_t topk_idx() const { return align_up(pos() + 4 * M, kEpAlign); }
+  JE_HD uint64_t weights() const { return align_up(topk_idx() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t pos_exp() const { return align_up(weights() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t x() const { return align_up(pos_exp() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t scales() const { return align_up(x() + (uint64_t)(M * x_row), kEpAlign); }
+  JE_HD uint64_t bytes() const { return align_up(scales() + (uint64_t)(M * sf_row), kEpAlign); }
+};
 struct EpDispatchLayout {
   int64_t R, M, K, E, x_row, sf_row;
+  bool push;
   JE_HD static EpDispatchLayout make(int64_t R, int64_t M, int64_t K, int64_t E, int64_t hidden_bytes,
-                                     int64_t num_scales) {
-    return EpDispatchLayout{R, M, K, E, (int64_t)align_up(hidden_bytes, 16), (int64_t)align_up(num_scales * 4, 16)};
+                                     int64_t num_scales, bool push = false) {
+    return EpDispatchLayout{R, M, K, E, (int64_t)align_up(hidden_bytes, 16), (int64_t)align_up(num_scales * 4, 16),
+                            push};
   }
+  JE_HD int64_t stage_rows() const { return push ? 0 : M; }
+  JE_HD int64_t inbox_slots() const { return push ? R - 1 : 0; }
+  JE_HD EpInbox inbox() const { return EpInbox{R, M, K, E, x_row, sf_row}; }
   JE_HD uint64_t counts() const { return 0; }
   JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
   JE_HD uint64_t topk_idx() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
@@ -131,28 +165,41 @@ struct EpDispatchLayout {
   JE_HD uint64_t pos_rank() const { return align_up(weights() + 4 * M * K, kEpAlign); }
   JE_HD uint64_t pos_exp() const { return align_up(pos_rank() + 4 * M * R, kEpAlign); }
   JE_HD uint64_t x() const { return align_up(pos_exp() + 4 * M * K, kEpAlign); }
-  JE_HD uint64_t scales() const { return align_up(x() + (uint64_t)(M * x_row), kEpAlign); }
-  JE_HD uint64_t half_bytes() const { return align_up(scales() + (uint64_t)(M * sf_row), kEpAlign); }
+  JE_HD uint64_t scales() const { return align_up(x() + (uint64_t)(stage_rows() * x_row), kEpAlign); }
+  JE_HD uint64_t inbox_at(int64_t slot) const {
+    return align_up(scales() + (uint64_t)(stage_rows() * sf_row), kEpAlign) + (uint64_t)slot * inbox().bytes();
+  }
+  JE_HD uint64_t half_bytes() const { return inbox_at(inbox_slots()); }
   JE_HD uint64_t total_bytes() const { return 2 * half_bytes(); }
   JE_HD uint64_t half(uint64_t seq) const { return (seq & 1) * half_bytes(); }  // offset of the call's half
 };
-
 // Combine staging region: [half 0 | half 1], each half:
 //   y        bytes[R*M, y_row]   row i = what this (expert) rank returns for its received token row i:
 //                                non-expand y[i]; expand the fp32 sum over valid local k (ascending k) of
 //                                y[meta[i, 2+k]] rounded once to y's dtype (one valid k: copied)
 //   weights  f32[R*M, K]         non-expand w[i, :]; expand w[meta[i, 2+k]] or 0 (if weights given)
-// y_row = align(H * elt_y, 16).
+// y_row = align(H * elt_y, 16). That is the PULL protocol (CPU). PUSH (CUDA): the half is R slots, slot d on
+// source rank s holding what expert rank d returns for s's tokens, indexed by token:
+//   progress uint64[kEpInboxCtas]   progress[c] = (seq << 32) | n once d's CTA c pushed its first n row chunks
+//   y        bytes[M, y_row]        row t = the value above for d's received row of (s, t)
+//   weights  f32[M, K]
 struct EpCombineLayout {
   int64_t R, M, K, y_row;
-  JE_HD static EpCombineLayout make(int64_t R, int64_t M, int64_t K, int64_t hidden_bytes) {
-    return EpCombineLayout{R, M, K, (int64_t)align_up(hidden_bytes, 16)};
+  bool push;
+  JE_HD static EpCombineLayout make(int64_t R, int64_t M, int64_t K, int64_t hidden_bytes, bool push = false) {
+    return EpCombineLayout{R, M, K, (int64_t)align_up(hidden_bytes, 16), push};
   }
   JE_HD uint64_t y() const { return 0; }
   JE_HD uint64_t weights() const { return align_up(y() + (uint64_t)(R * M * y_row), kEpAlign); }
-  JE_HD uint64_t half_bytes() const { return align_up(weights() + 4 * R * M * K, kEpAlign); }
+  // push slots
+  JE_HD uint64_t slot_y() const { return align_up(8ull * kEpInboxCtas, kEpAlign); }
+  JE_HD uint64_t slot_weights() const { return align_up(slot_y() + (uint64_t)(M * y_row), kEpAlign); }
+  JE_HD uint64_t slot_bytes() const { return align_up(slot_weights() + 4 * M * K, kEpAlign); }
+  JE_HD uint64_t slot_at(int64_t d) const { return (uint64_t)d * slot_bytes(); }
+  JE_HD uint64_t half_bytes() const {
+    return push ? R * slot_bytes() : align_up(weights() + 4 * R * M * K, kEpAlign);
+  }
   JE_HD uint64_t total_bytes() const { return 2 * half_bytes(); }
   JE_HD uint64_t half(uint64_t seq) const { return (seq & 1) * half_bytes(); }
 };
-
 }  // namespace jax_engram

@@ -18,7 +18,7 @@ namespace jax_engram {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;
 
 struct Params {
   const int32_t* ids;
@@ -39,12 +39,17 @@ struct Params {
 };
 
 // ---- loads of a peer's / host memory ---------------------------------------------------------------------
-template <typename V, bool kVolatile>
+// kLoad: kLoadPlain (ordinary ld.global), kLoadVolatile (relaxed.sys: never a stale cached line; needed for host
+// memory, which the reading GPU's L2 may cache while another GPU writes it), kLoadCg (ld.global.cg, L2 only: peer
+// HBM is cached only in its owner's L2, so this is coherent for device placement and lets the loads pipeline).
+enum : int { kLoadPlain = 0, kLoadVolatile = 1, kLoadCg = 2 };
+template <typename V, int kLoad>
 struct Load;
-template <bool kVolatile>
-struct Load<uint4, kVolatile> {
+template <int kLoad>
+struct Load<uint4, kLoad> {
   static JE_DEVICE uint4 run(const uint8_t* p) {
-    if (!kVolatile) return *reinterpret_cast<const uint4*>(p);
+    if (kLoad == kLoadPlain) return *reinterpret_cast<const uint4*>(p);
+    if (kLoad == kLoadCg) return __ldcg(reinterpret_cast<const uint4*>(p));
     uint4 v;
     asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -53,27 +58,29 @@ struct Load<uint4, kVolatile> {
     return v;
   }
 };
-template <bool kVolatile>
-struct Load<uint2, kVolatile> {
+template <int kLoad>
+struct Load<uint2, kLoad> {
   static JE_DEVICE uint2 run(const uint8_t* p) {
-    if (!kVolatile) return *reinterpret_cast<const uint2*>(p);
+    if (kLoad == kLoadPlain) return *reinterpret_cast<const uint2*>(p);
+    if (kLoad == kLoadCg) return __ldcg(reinterpret_cast<const uint2*>(p));
     uint2 v;
     asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
     return v;
   }
 };
-template <typename S, bool kVolatile>
+template <typename S, int kLoad>
 struct ScalarLoad {
   static JE_DEVICE S run(const uint8_t* p) {
-    return kVolatile ? *reinterpret_cast<const volatile S*>(p) : *reinterpret_cast<const S*>(p);
+    if (kLoad == kLoadCg) return __ldcg(reinterpret_cast<const S*>(p));
+    return kLoad == kLoadVolatile ? *reinterpret_cast<const volatile S*>(p) : *reinterpret_cast<const S*>(p);
   }
 };
-template <bool kVolatile>
-struct Load<uint32_t, kVolatile> : ScalarLoad<uint32_t, kVolatile> {};
-template <bool kVolatile>
-struct Load<uint16_t, kVolatile> : ScalarLoad<uint16_t, kVolatile> {};
-template <bool kVolatile>
-struct Load<uint8_t, kVolatile> : ScalarLoad<uint8_t, kVolatile> {};
+template <int kLoad>
+struct Load<uint32_t, kLoad> : ScalarLoad<uint32_t, kLoad> {};
+template <int kLoad>
+struct Load<uint16_t, kLoad> : ScalarLoad<uint16_t, kLoad> {};
+template <int kLoad>
+struct Load<uint8_t, kLoad> : ScalarLoad<uint8_t, kLoad> {};
 
 // ---- the gather ------------------------------------------------------------------------------------------
 template <bool kFast>
@@ -85,7 +92,7 @@ JE_DEVICE int64_t div_entries(const Params& p, int64_t g) {
   return kFast ? static_cast<int64_t>(p.div_entries.div(static_cast<uint32_t>(g))) : g / p.num_entries;
 }
 
-template <typename V, bool kVolatile, bool kFast>
+template <typename V, int kLoad, bool kFast>
 JE_DEVICE void gather_rows(const Params& p) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -109,7 +116,7 @@ JE_DEVICE void gather_rows(const Params& p) {
         const int64_t owner = div_entries<kFast>(p, id);
         const int64_t r = id - owner * p.num_entries;
         const uint8_t* base_ptr = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.peers) + owner));
-        v[k] = Load<V, kVolatile>::run(base_ptr + p.offset + r * p.row_bytes + vi * sizeof(V));
+        v[k] = Load<V, kLoad>::run(base_ptr + p.offset + r * p.row_bytes + vi * sizeof(V));
       } else {
         v[k] = V{};
       }
@@ -143,13 +150,13 @@ JE_DEVICE void gather_sf(const Params& p) {
   }
 }
 
-template <typename V, bool kVolatile>
+template <typename V, int kLoad>
 __global__ void __launch_bounds__(kThreads) engram_gather_kernel(Params p) {
   if (p.mode != engram::kModeChecked && blockIdx.x == 0 && threadIdx.x == 0) *p.status = 0;
   if (p.fast)
-    gather_rows<V, kVolatile, true>(p);
+    gather_rows<V, kLoad, true>(p);
   else
-    gather_rows<V, kVolatile, false>(p);
+    gather_rows<V, kLoad, false>(p);
   if (p.sf_table) gather_sf(p);
 }
 
@@ -163,11 +170,11 @@ __global__ void engram_check_kernel(const int32_t* status, const int32_t* ids, i
 
 // Resident blocks per SM of a kernel instance (queried once; the grid never exceeds what runs at once, so the
 // grid-stride loop has no second wave).
-template <typename V, bool kVolatile>
+template <typename V, int kLoad>
 int resident_blocks_per_sm() {
   static const int n = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, engram_gather_kernel<V, kVolatile>, kThreads, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, engram_gather_kernel<V, kLoad>, kThreads, 0) !=
             cudaSuccess ||
         b < 1) {
       cudaGetLastError();
@@ -178,21 +185,24 @@ int resident_blocks_per_sm() {
   return n;
 }
 
-template <typename V, bool kVolatile>
+template <typename V, int kLoad>
 cudaError_t launch_instance(const Params& p, uint64_t want_blocks, int sm_count, int blocks_per_sm,
                             cudaStream_t stream) {
-  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : resident_blocks_per_sm<V, kVolatile>();
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : resident_blocks_per_sm<V, kLoad>();
   const uint64_t cap = static_cast<uint64_t>(std::max(sm_count, 1)) * per_sm;
   const unsigned grid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(want_blocks, cap)));
-  engram_gather_kernel<V, kVolatile><<<grid, kThreads, 0, stream>>>(p);
+  engram_gather_kernel<V, kLoad><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename V>
-cudaError_t launch_typed(const Params& p, uint64_t want_blocks, int sm_count, const EngramTuning& t,
+cudaError_t launch_typed(const Params& p, uint64_t want_blocks, int sm_count, int load, const EngramTuning& t,
                          cudaStream_t stream) {
-  return t.volatile_loads ? launch_instance<V, true>(p, want_blocks, sm_count, t.blocks_per_sm, stream)
-                          : launch_instance<V, false>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
+  switch (load) {
+    case kLoadPlain: return launch_instance<V, kLoadPlain>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
+    case kLoadCg: return launch_instance<V, kLoadCg>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
+    default: return launch_instance<V, kLoadVolatile>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
+  }
 }
 
 int env_int(const char* name, int dflt, int lo, int hi) {
@@ -209,7 +219,10 @@ const EngramTuning& engram_tuning() {
     EngramTuning r;
     r.blocks_per_sm = env_int("JAX_ENGRAM_ENGRAM_BLOCKS_PER_SM", 0, 0, 64);
     const char* l = std::getenv("JAX_ENGRAM_ENGRAM_LOADS");
-    r.volatile_loads = !(l && std::strcmp(l, "plain") == 0);
+    r.loads = !l || !*l ? EngramTuning::kAuto
+              : std::strcmp(l, "plain") == 0 ? EngramTuning::kPlain
+              : std::strcmp(l, "cg") == 0    ? EngramTuning::kCg
+                                             : EngramTuning::kVolatile;
     return r;
   }();
   return t;
@@ -252,17 +265,22 @@ cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream) {
     return cudaSuccess;
   }
   const EngramTuning& tune = engram_tuning();
+  const int load = tune.loads == EngramTuning::kPlain      ? kLoadPlain
+                   : tune.loads == EngramTuning::kCg       ? kLoadCg
+                   : tune.loads == EngramTuning::kVolatile ? kLoadVolatile
+                   : a.device_memory                       ? kLoadCg
+                                                           : kLoadVolatile;
   // One unit per thread while the grid fits on the GPU at once (lowest latency for small T); beyond that every
   // thread loops with kUnroll loads in flight (bandwidth for large T).
   const uint64_t work = std::max<uint64_t>(std::max<uint64_t>(p.units, p.n_rows * p.P), 1);
   const uint64_t want = (work + kThreads - 1) / kThreads;
   cudaError_t e;
   switch (vb) {
-    case 16: e = launch_typed<uint4>(p, want, a.sm_count, tune, stream); break;
-    case 8: e = launch_typed<uint2>(p, want, a.sm_count, tune, stream); break;
-    case 4: e = launch_typed<uint32_t>(p, want, a.sm_count, tune, stream); break;
-    case 2: e = launch_typed<uint16_t>(p, want, a.sm_count, tune, stream); break;
-    default: e = launch_typed<uint8_t>(p, want, a.sm_count, tune, stream); break;
+    case 16: e = launch_typed<uint4>(p, want, a.sm_count, load, tune, stream); break;
+    case 8: e = launch_typed<uint2>(p, want, a.sm_count, load, tune, stream); break;
+    case 4: e = launch_typed<uint32_t>(p, want, a.sm_count, load, tune, stream); break;
+    case 2: e = launch_typed<uint16_t>(p, want, a.sm_count, load, tune, stream); break;
+    default: e = launch_typed<uint8_t>(p, want, a.sm_count, load, tune, stream); break;
   }
   if (e != cudaSuccess || !checked) return e;
   engram_check_kernel<<<1, 1, 0, stream>>>(a.status, a.ids, p.total, a.err, a.rank);
@@ -271,7 +289,7 @@ cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream) {
 
 cudaError_t engram_kernels_loadable() {
   cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, engram_gather_kernel<uint4, true>);
+  cudaError_t e = cudaFuncGetAttributes(&attr, engram_gather_kernel<uint4, kLoadVolatile>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, engram_check_kernel);
   if (e != cudaSuccess) cudaGetLastError();
   return e;

@@ -27,16 +27,20 @@ struct EngramFetchArgs {
   ErrorRecord* err = nullptr;         // checked mode: where kErrIdOutOfRange goes
   int32_t rank = 0;
   int sm_count = 0;                   // grid size
+  bool device_memory = false;         // the table lies in device (HBM) segments: picks the load kind
 };
 
 // Tuning knobs, read once from the environment (for benchmarking; defaults are the safe choice):
 //   JAX_ENGRAM_ENGRAM_BLOCKS_PER_SM  grid cap = sm_count * this (default 0 = as many 256-thread blocks as
 //                                    are resident at once, from the occupancy calculator)
-//   JAX_ENGRAM_ENGRAM_LOADS          "volatile" (default: relaxed.sys loads, never served from a stale cache
-//                                    line of peer / host memory) | "plain" (ordinary global loads)
+//   JAX_ENGRAM_ENGRAM_LOADS          unset (default): "cg" for a table in HBM (L2-only loads: peer HBM is cached
+//                                    only in its owner's L2), "volatile" for host memory (relaxed.sys loads: the
+//                                    reading GPU's L2 may hold a stale line of host memory another GPU wrote) |
+//                                    "volatile" | "cg" | "plain" (ordinary global loads) for every placement
 struct EngramTuning {
+  enum Loads { kAuto = 0, kVolatile = 1, kCg = 2, kPlain = 3 };
   int blocks_per_sm = 0;  // 0: occupancy
-  bool volatile_loads = true;
+  int loads = kAuto;
 };
 const EngramTuning& engram_tuning();
 

@@ -36,6 +36,7 @@ struct EpLaunch {
 
 inline constexpr int kEpThreads = 512;  // threads per CTA of every EP kernel
 inline constexpr int kEpMaxCtas = 160;  // scratch arrays are sized for this many CTAs
+static_assert(kEpMaxCtas == kEpInboxCtas, "every CTA needs a progress word in the inbox slots (ep_layout.h)");
 
 struct EpDispatchParams {
   EpWindow w;
@@ -56,6 +57,7 @@ struct EpDispatchParams {
   const int32_t* h_psum_rank = nullptr;    // [R]
   const int32_t* h_psum_expert = nullptr;  // [E_loc]
   const int32_t* h_unaligned = nullptr;    // [E_loc]
+  const int32_t* h_dst_row = nullptr;      // [N, R]: the sender side of the handle
   // outputs
   uint8_t* recv_x = nullptr;
   uint8_t* recv_sf = nullptr;
@@ -102,6 +104,14 @@ struct EpCombineParams {
 // Staging chunk (tokens / rows) for a config: small for few tokens (latency: every warp gets work), up to 32.
 inline int32_t ep_chunk(int64_t M, int64_t R, int64_t ctas) {
   const int64_t c = M * R / (ctas * 48);
+  return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
+}
+
+// Dispatch chunk (tokens): each CTA owns ceil(M/G) consecutive tokens and pushes them in ~8 chunks (receivers
+// start copying after the first), 1..32 tokens each.
+inline int32_t ep_dispatch_chunk(int64_t M, int64_t ctas) {
+  const int64_t tpc = (M + ctas - 1) / ctas;
+  const int64_t c = tpc / 8;
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }
 

@@ -1,19 +1,20 @@
-// EP combine on CUDA: the pull protocol of docs/DESIGN.md (combine) with the offsets of ep_layout.h, one
-// cooperative launch of G = num_sms CTAs. Numerics bit-exact with deepep_v2_semantics.md §3.7-3.9 and the CPU
-// backend: every fp32 sum is a left fold from -0.0 in a fixed order, one rounding to the output dtype.
+// EP combine on CUDA: the PUSH protocol of ep_layout.h (EpCombineLayout slots), one cooperative launch of
+// G = num_sms CTAs. Numerics bit-exact with deepep_v2_semantics.md §3.7-3.9 and the CPU backend: every fp32 sum is
+// a left fold from -0.0 in a fixed order, one rounding to the output dtype.
 //
 // CTA c of rank `me` (combine sequence number seq, staging half seq & 1):
-//   stage warps (expert side): received rows i < psum_rank[R-1] in chunks of `chunk` rows (chunk j staged by
-//     CTA j % G): non-expand y[i] as is; expand the fp32 sum over valid local k ascending of y[meta[i, 2+k]]
-//     rounded once (one valid k: copied, none: zeros); the weights row beside it. progress[half][c] after each
-//     chunk; the last CTA publishes own.combine_ready; CTA 0 then waits for every peer's ready >= seq and fails
-//     on a peer's bad word.
-//   pull warps (source side): own tokens t (chunks of `chunk` tokens, chunk j on CTA j % G, tokens spread over
-//     the pull warps): the master lanes of t's top-k (highest k per dest rank) in ascending lane order ARE the
-//     dest ranks in ascending master position; each master lane waits for its rank's progress on the chunk of
-//     dst_row[t, d], then acc = -0 (+ bias0) (+ bias1) + rows in that order, one rounding. A lone row without
-//     bias is copied; no row and no bias gives +0. combined_topk_weights[t, k] = staged weight k of the row on
-//     the rank owning expert k, 0 where masked.
+//   stage warps (expert side): received rows i < psum_rank[R-1] in chunks of `chunk` rows (chunk j on CTA j % G):
+//     row i came from (s, t) = divmod(meta[i, 0], M); its value -- non-expand y[i] as is; expand the fp32 sum over
+//     valid local k ascending of y[meta[i, 2+k]] rounded once (one valid k: copied, none: zeros) -- and its weights
+//     row are STORED into slot `me` of rank s at row t (NVLink stores; own memory for s == me). After each chunk
+//     progress[c] = (seq << 32) | chunks done in slot `me` of every rank; the last CTA publishes own.combine_ready;
+//     CTA 0 then waits for every peer's ready >= seq and fails on a peer's bad word.
+//   pull warps (source side, own memory only): own tokens t (chunks of `chunk` tokens, chunk j on CTA j % G,
+//     tokens spread over the pull warps): the master lanes of t's top-k (highest k per dest rank) in ascending lane
+//     order ARE the dest ranks in ascending master position; each master lane waits for progress of its rank's
+//     slot on the chunk of dst_row[t, d], then acc = -0 (+ bias0) (+ bias1) + slot rows in that order, one
+//     rounding. A lone row without bias is copied; no row and no bias gives +0. combined_topk_weights[t, k] = the
+//     weight k pushed by the rank owning expert k, 0 where masked.
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/ep_common.cuh"
@@ -217,9 +218,11 @@ JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsi
   warp_reduce_async<T>(out, terms, nb + __popc(mask), nbytes, ring, lane);
 }
 
-JE_DEVICE uint64_t* progress(uint8_t* ws, int half, int c) {
-  return ws_u64(ws, EpScratch::kCombineProgress + 8ull * (half * kEpMaxCtas + c));
+// Slot of expert rank d on rank s for this call's half.
+JE_DEVICE uint8_t* combine_slot(const EpCombineParams& p, uint64_t hoff, int s, int d) {
+  return (s == p.w.rank ? p.w.st_own : p.w.st_peers[s]) + hoff + p.L.slot_at(d);
 }
+JE_DEVICE uint64_t* slot_progress(uint8_t* slot, int c) { return reinterpret_cast<uint64_t*>(slot) + c; }
 
 JE_DEVICE void mark_bad(const EpCombineParams& p, uint64_t seq, int64_t detail, int64_t value) {
   uint8_t* ws = p.w.ws_own;
@@ -235,7 +238,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
   __shared__ int sh_next;
-  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -246,10 +248,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     sh_next = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
-  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
-  const int half = static_cast<int>(seq & 1);
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
   uint4* ring = reinterpret_cast<uint4*>(csmem + warp * kWarpSmem);
   const uint8_t** terms = reinterpret_cast<const uint8_t**>(csmem + warp * kWarpSmem + kSlots * kSlotUnits * 16);
@@ -259,8 +259,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
 
   if (warp < SW) {
     // ---- stage warps (expert side) ------------------------------------------------------------------------------
-    uint8_t* st_y = p.w.st_own + hoff + p.L.y();
-    float* st_w = reinterpret_cast<float*>(p.w.st_own + hoff + p.L.weights());
     int num_recv = p.psum_rank[R - 1];
     if (num_recv < 0 || num_recv > rows_tok) {
       if (c == 0 && tid == 0) mark_bad(p, seq, ep_bad_detail(0, kEpBadHandle), num_recv);
@@ -271,11 +269,18 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     for (int j = c; j < nch; j += G, ++li) {
       const int ie = min(j * CH + CH, num_recv);
       for (int i = j * CH + warp; i < ie; i += SW) {
-        uint8_t* dst = st_y + static_cast<int64_t>(i) * p.L.y_row;
+        const int gid = p.meta[static_cast<int64_t>(i) * (K + 2)];
+        if (gid < 0 || gid >= rows_tok) {
+          if (lane == 0) mark_bad(p, seq, ep_bad_detail(i, kEpBadHandle), gid);
+          continue;
+        }
+        const int s = gid / M, t = gid % M;
+        uint8_t* slot = combine_slot(p, hoff, s, me);
+        uint8_t* dst = slot + p.L.slot_y() + static_cast<int64_t>(t) * p.L.y_row;
+        float* st_w = reinterpret_cast<float*>(slot + p.L.slot_weights()) + static_cast<int64_t>(t) * K;
         if (!p.expand) {
           warp_copy1(p.y + i * row_bytes, dst, row_bytes, lane);
-          if (p.weights && lane < K)
-            st_w[static_cast<int64_t>(i) * K + lane] = p.weights[static_cast<int64_t>(i) * K + lane];
+          if (p.weights && lane < K) st_w[lane] = p.weights[static_cast<int64_t>(i) * K + lane];
           continue;
         }
         int64_t r = lane < K ? p.meta[static_cast<int64_t>(i) * (K + 2) + 2 + lane] : -1;
@@ -294,12 +299,13 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
         } else {
           warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, ring, terms, lane);
         }
-        if (p.weights && lane < K) st_w[static_cast<int64_t>(i) * K + lane] = r >= 0 ? p.weights[r] : 0.0f;
+        if (p.weights && lane < K) st_w[lane] = r >= 0 ? p.weights[r] : 0.0f;
       }
       bar_sync(1, SW * 32);
-      if (tid == 0) {
+      if (warp == 0) {  // progress of this chunk in slot `me` of every rank
         __threadfence_system();
-        st_release_sys_u64(progress(ws, half, c), progress_value(seq, li + 1));
+        for (int s = lane; s < R; s += 32)
+          st_release_sys_u64(slot_progress(combine_slot(p, hoff, s, me), c), progress_value(seq, li + 1));
       }
     }
     bar_sync(1, SW * 32);
@@ -341,22 +347,23 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     const bool master = valid && 31 - __clz(sd) == lane && row >= 0;
     const unsigned mm = __ballot_sync(kFull, master);
     int okw = 1;
+    const uint8_t* slot = master ? combine_slot(p, hoff, me, d) : nullptr;
     if (master) {
       const int j = row / CH;
-      okw = wait_progress(progress(p.w.ws_peers[d], half, j % G), progress_value(seq, j / G + 1),
-                          progress_slot(sh_prog, d, j % G), p.w, kOpEpCombine, d);
+      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), j % G);
+      const uint64_t target = progress_value(seq, j / G + 1);
+      if (cuda::ld_acquire_sys(w) < target) okw = wait_ge(w, target, p.w, kOpEpCombine, d);
     }
     if (!__all_sync(kFull, okw)) return;
     __syncwarp();
-    const uint8_t* src = master ? p.w.st_peers[d] + hoff + p.L.y() + static_cast<int64_t>(row) * p.L.y_row : nullptr;
+    const uint8_t* src = master ? slot + p.L.slot_y() + static_cast<int64_t>(t) * p.L.y_row : nullptr;
     uint8_t* out = p.out + t * row_bytes;
     const uint8_t* b0 = p.bias0 ? p.bias0 + t * row_bytes : nullptr;
     const uint8_t* b1 = p.bias1 ? p.bias1 + t * row_bytes : nullptr;
     if (p.out_w && lane < K) {  // issued before the row: consumed after it
       float v = 0.0f;
       if (valid && row >= 0)
-        v = __ldcg(reinterpret_cast<const float*>(p.w.st_peers[d] + hoff + p.L.weights()) +
-                   static_cast<int64_t>(row) * K + lane);
+        v = __ldcg(reinterpret_cast<const float*>(combine_slot(p, hoff, me, d) + p.L.slot_weights()) + tK + lane);
       p.out_w[tK + lane] = v;
     }
     if (!b0 && !b1 && mm == 0) {

@@ -1,26 +1,30 @@
-// EP dispatch and cached dispatch on CUDA: the pull protocol of docs/DESIGN.md with the offsets of ep_layout.h,
-// one cooperative launch of G = num_sms CTAs (kEpThreads threads each). See ep_common.cuh for the CUDA-only
-// control words (layout flags, per-CTA staging progress).
+// EP dispatch and cached dispatch on CUDA: the PUSH protocol of ep_layout.h (inbox slots), one cooperative launch
+// of G = num_sms CTAs (kEpThreads threads each). NVLink carries only stores: every rank writes the rows it sends
+// straight into the slot it owns in each destination's inbox, and every receiver polls and reads only its own
+// memory. Why: benchmarks/probe_nvlink.cu on 2xH200 -- SM stores reach ~350 GB/s per direction with 8 CTAs in
+// both directions at once, remote loads cap at ~335, and remote polling by many warps competes with the data.
 //
-// Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1):
-//   1. Layout (all warps): tokens [c*ceil(M/G), ...) split over the layout warps; pass 1 counts per dest rank
-//      (a token once per rank) and per expert into per-warp shared counters and finds the first bad (t, k);
-//      per-CTA totals -> scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); pass 2
-//      walks the tokens again in order and hands out positions (atomicAdd on the warp's own counters, so the
-//      order inside a warp is the token order). Writes topk_idx, weights, pos_rank, pos_exp (rows >= N: -1);
-//      CTA 0 writes counts / exp_counts and the bad words. Publishes layout flag[half][c] = seq.
-//   2. Stage warps: copy x (and scales) rows of token chunk j = c, c+G, ... into the staging half; after each
-//      chunk progress[half][c] = (seq << 32) | chunks done. The last CTA done publishes own.dispatch_ready.
-//      Then (tables ready): dst_row of the CTA's layout tokens, zero padding rows, CTA 0 the count outputs, and
-//      CTA 0 waits for every peer's ready >= seq (ep_layout.h: a call ends only after every peer published).
-//   3. Pull warps: wait for every peer's G layout flags, fail on a peer's bad word, build the receive tables
-//      (psum over source ranks, per local expert start / per-source offsets) in shared memory, then for each
-//      (chunk j of this CTA, source s) -- own rank first, then me+1, me+2, ... so that both NVLink directions
-//      are busy at once -- read the chunk's pos_rank column for `me`, wait for s's progress on chunk j (not
-//      for own rows: those come straight from x), and copy each received row with 16-byte loads into its
-//      final place(s), writing metadata / topk / weights beside it.
-// Cached dispatch: no layout; stage warps stage x, scales and weights; pull warps walk the handle's metadata
-// (rows i < psum_rank[R-1]) and pull (s, t) = divmod(meta[i, 0], M) into row i / the expand rows meta[i, 2+k].
+// Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1). CTA c owns the token range
+// [c*tpc, (c+1)*tpc), tpc = ceil(M/G), cut into chunks of `chunk` tokens (ep_dispatch_chunk):
+//   1. Layout (all warps): the counting sort over the CTA's range; pass 1 counts per dest rank (a token once per
+//      rank) and per expert into per-warp shared counters and finds the first bad (t, k); per-CTA totals ->
+//      scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); pass 2 walks the tokens again
+//      in order and hands out positions. Writes topk_idx, weights, pos_rank, pos_exp of the range into the own
+//      half; CTA 0 writes the totals and pushes the header (counts, exp_counts, bad words, N; then flag = seq)
+//      into its slot on every peer.
+//   2. Stage warps (sender): per chunk of the CTA's range, each token's pos for d into the slot on d, and for each
+//      d the token goes to its x / scales row and its topk / weights / pos_exp rows; then progress[c] =
+//      (seq << 32) | chunks done on every peer (release.sys). The last CTA done publishes own ready.
+//      Then (tables ready): dst_row of the range, zero padding rows, CTA 0 the count outputs and the end-of-call
+//      wait for every peer's ready >= seq (ep_layout.h: the two-halves argument holds for the inboxes too: a rank
+//      pushes into half p in call n only after every peer published ready for call n-1).
+//   3. Pull warps (receiver): wait for every peer's header (own memory), fail on a bad one, build the receive
+//      tables (psum over source ranks, per local expert start / per-source offsets) in shared memory, then for each
+//      (chunk of the CTA's range, source s) -- own rows straight from x -- wait for progress[c] of slot s and copy
+//      each received row from the slot into its final place(s), writing metadata / topk / weights beside it.
+// Cached dispatch: no layout; stage warps push x, scales and weights of the tokens whose handle dst_row[t, d] >= 0;
+// pull warps walk the handle's metadata (rows i < psum_rank[R-1]) and copy (s, t) = divmod(meta[i, 0], M) from
+// slot s into row i / the expand rows meta[i, 2+k].
 #include <algorithm>
 #include <climits>
 
@@ -54,7 +58,7 @@ JE_DEVICE Tables tables_at(uint8_t* smem, int offset, int R, int E_loc) {
 
 int tables_bytes(int R, int E_loc) { return (2 * R + 1 + 3 * E_loc + 1 + R * E_loc) * 4; }
 
-// Staging half of rank s (or own).
+// The own half's sender-side sections (layout outputs of this rank).
 struct Half {
   int32_t* counts;
   int32_t* exp_counts;
@@ -62,8 +66,6 @@ struct Half {
   float* w;
   int32_t* pos_rank;
   int32_t* pos_exp;
-  uint8_t* x;
-  uint8_t* sf;
 };
 
 JE_DEVICE Half half_at(uint8_t* h, const EpDispatchLayout& L) {
@@ -74,53 +76,145 @@ JE_DEVICE Half half_at(uint8_t* h, const EpDispatchLayout& L) {
   r.w = reinterpret_cast<float*>(h + L.weights());
   r.pos_rank = reinterpret_cast<int32_t*>(h + L.pos_rank());
   r.pos_exp = reinterpret_cast<int32_t*>(h + L.pos_exp());
-  r.x = h + L.x();
-  r.sf = h + L.scales();
   return r;
 }
 
-JE_DEVICE uint64_t* layout_flag(uint8_t* ws, int half, int c) {
-  return ws_u64(ws, EpScratch::kDispatchLayoutFlag + 8ull * (half * kEpMaxCtas + c));
-}
-JE_DEVICE uint64_t* progress(uint8_t* ws, int half, int c) {
-  return ws_u64(ws, EpScratch::kDispatchProgress + 8ull * (half * kEpMaxCtas + c));
+// An inbox slot (EpInbox), own or a peer's.
+struct Slot {
+  uint8_t* base;
+  __device__ uint64_t* ctrl(uint64_t off) const { return reinterpret_cast<uint64_t*>(base + off); }
+  int32_t* counts;
+  int32_t* exp_counts;
+  int32_t* pos;
+  int32_t* topk;
+  float* w;
+  int32_t* pexp;
+  uint8_t* x;
+  uint8_t* sf;
+};
+
+JE_DEVICE Slot slot_at(uint8_t* half_base, const EpDispatchLayout& L, int slot) {
+  const EpInbox I = L.inbox();
+  Slot r;
+  r.base = half_base + L.inbox_at(slot);
+  r.counts = reinterpret_cast<int32_t*>(r.base + I.counts());
+  r.exp_counts = reinterpret_cast<int32_t*>(r.base + I.exp_counts());
+  r.pos = reinterpret_cast<int32_t*>(r.base + I.pos());
+  r.topk = reinterpret_cast<int32_t*>(r.base + I.topk_idx());
+  r.w = reinterpret_cast<float*>(r.base + I.weights());
+  r.pexp = reinterpret_cast<int32_t*>(r.base + I.pos_exp());
+  r.x = r.base + I.x();
+  r.sf = r.base + I.scales();
+  return r;
 }
 
-// Stage warps: x / scales (and, cached, weights) rows of this CTA's chunks into the own half; progress words.
-JE_DEVICE void stage_payload(const EpDispatchParams& p, const Half& own, uint8_t* ws, uint64_t seq, int SW,
-                             bool weights_too) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, c = blockIdx.x;
-  const int half = static_cast<int>(seq & 1);
-  const int CH = p.chunk;
-  const int nch = (p.N + CH - 1) / CH;
-  int li = 0;
-  for (int j = c; j < nch; j += G, ++li) {
-    const int tb = j * CH, te = min(tb + CH, p.N);
-    for (int t = tb + warp; t < te; t += SW) {
-      warp_copy1(p.x + t * p.x_bytes, own.x + t * p.L.x_row, p.x_bytes, lane);
-      if (p.sf_bytes) warp_copy1(p.sf + t * p.sf_bytes, own.sf + t * p.L.sf_row, p.sf_bytes, lane);
-      if (weights_too && p.weights && lane < p.K)
-        own.w[static_cast<int64_t>(t) * p.K + lane] = p.weights[static_cast<int64_t>(t) * p.K + lane];
-    }
-    bar_sync(1, SW * 32);
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      st_release_sys_u64(progress(ws, half, c), progress_value(seq, li + 1));
-    }
-  }
+// Slot of source s in rank d's inbox for this call's half (d's memory, through the peer mapping or own).
+JE_DEVICE Slot peer_slot(const EpDispatchParams& p, uint64_t hoff, int s, int d) {
+  uint8_t* base = (d == p.w.rank ? p.w.st_own : p.w.st_peers[d]) + hoff;
+  return slot_at(base, p.L, static_cast<int>(ep_inbox_slot(s, d, p.w.nranks)));
 }
 
-// Waits (lane 0) for source s's staging of the chunk holding token t. Returns false on timeout (recorded).
-JE_DEVICE bool wait_chunk(const EpDispatchParams& p, int s, int t, uint64_t seq, int lane, unsigned long long* cache) {
+JE_DEVICE int tokens_per_cta(int M) { return (M + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x); }
+
+// Bounded wait of lane 0 for the own-memory word *w >= target (written by `peer`); whole warp, false on failure.
+JE_DEVICE bool warp_wait_local(const uint64_t* w, uint64_t target, const EpWindow& win, int32_t op, int32_t peer,
+                               int lane) {
   int ok = 1;
-  if (lane == 0) {
-    const int j = t / p.chunk, G = gridDim.x;
-    ok = wait_progress(progress(p.w.ws_peers[s], static_cast<int>(seq & 1), j % G), progress_value(seq, j / G + 1),
-                       progress_slot(cache, s, j % G), p.w, kOpEpDispatch, s);
-  }
+  if (lane == 0 && cuda::ld_acquire_sys(w) < target) ok = wait_ge(w, target, win, op, peer);
   ok = __shfl_sync(kFull, ok, 0);
   __syncwarp();
   return ok != 0;
+}
+
+// Publishes progress[c] = (seq << 32) | n on every peer's slot of this rank (one thread; after a barrier over
+// every thread that pushed).
+JE_DEVICE void publish_progress(const EpDispatchParams& p, uint64_t hoff, uint64_t seq, int n) {
+  __threadfence_system();
+  for (int d = 0; d < p.w.nranks; ++d) {
+    if (d == p.w.rank) continue;
+    st_release_sys_u64(peer_slot(p, hoff, p.w.rank, d).ctrl(EpInbox::kProgress + 8ull * blockIdx.x),
+                       progress_value(seq, n));
+  }
+}
+
+// Copies `nbytes` from src to the destinations of the set bits of `mask` (destination of bit b = lane_dst of lane
+// b): each vector is loaded once and stored to every destination. All 32 lanes call it with the same mask.
+template <typename V, int U>
+__device__ __noinline__ void warp_push_v(const uint8_t* __restrict__ src, unsigned mask, uint8_t* lane_dst,
+                                         int64_t nbytes, int lane) {
+  const V* s = reinterpret_cast<const V*>(src);
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t base = 0; base < n; base += 32 * U) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      if (idx < n) v[u] = ld_cg(s + idx);
+    }
+    unsigned mm = mask;
+    while (mm) {
+      const int b = __ffs(mm) - 1;
+      mm &= mm - 1;
+      V* d = reinterpret_cast<V*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_dst), b));
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t idx = base + u * 32 + lane;
+        if (idx < n) d[idx] = v[u];
+      }
+    }
+  }
+}
+
+JE_DEVICE void warp_push(const uint8_t* src, unsigned mask, uint8_t* lane_dst, int64_t nbytes, int lane) {
+  if (nbytes <= 0 || mask == 0) return;
+  uint64_t a = reinterpret_cast<uint64_t>(src) | static_cast<uint64_t>(nbytes);
+  unsigned mm = mask;
+  while (mm) {
+    const int b = __ffs(mm) - 1;
+    mm &= mm - 1;
+    a |= __shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_dst), b);
+  }
+  if ((a & 15) == 0) warp_push_v<uint4, 16>(src, mask, lane_dst, nbytes, lane);
+  else if ((a & 3) == 0) warp_push_v<unsigned, 4>(src, mask, lane_dst, nbytes, lane);
+  else warp_push_v<unsigned char, 4>(src, mask, lane_dst, nbytes, lane);
+}
+
+// Sender: token t to every peer d with dest_ok(d) (pos of d from `pos_of`). Whole warp. `meta`: also the topk /
+// pos_exp rows (full dispatch); weights rows whenever the call has weights.
+template <typename PosOf>
+JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t hoff, int t, bool meta, PosOf pos_of,
+                          int lane) {
+  const int R = p.w.nranks, me = p.w.rank, K = p.K;
+  const int64_t tK = static_cast<int64_t>(t) * K;
+  for (int d0 = 0; d0 < R; d0 += 32) {
+    const int d = d0 + lane;
+    int pos = -1;
+    Slot sl{};
+    if (d < R && d != me) {
+      pos = pos_of(d);
+      sl = peer_slot(p, hoff, me, d);
+      if (meta) sl.pos[t] = pos;
+    }
+    const unsigned dm = __ballot_sync(kFull, pos >= 0);
+    if (!dm) continue;
+    warp_push(p.x + t * p.x_bytes, dm, pos >= 0 ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
+    if (p.sf_bytes) warp_push(p.sf + t * p.sf_bytes, dm, pos >= 0 ? sl.sf + t * p.L.sf_row : nullptr, p.sf_bytes, lane);
+    // routing rows: lane k < K of each destination in turn
+    const int32_t id = (meta && lane < K) ? own.topk[tK + lane] : -1;
+    const int32_t pe = (meta && p.expand && lane < K) ? own.pos_exp[tK + lane] : -1;
+    const float wv = (p.weights && lane < K) ? p.weights[tK + lane] : 0.0f;
+    unsigned mm = dm;
+    while (mm) {
+      const int b = __ffs(mm) - 1;
+      mm &= mm - 1;
+      const Slot sb = peer_slot(p, hoff, me, d0 + b);
+      if (lane < K) {
+        if (meta) sb.topk[tK + lane] = id;
+        if (meta && p.expand) sb.pexp[tK + lane] = pe;
+        if (p.weights) sb.w[tK + lane] = wv;
+      }
+    }
+  }
 }
 
 // Zero padding rows of the expand layout: rows [start+count, start+align(count, A)) of every local expert,
@@ -149,22 +243,23 @@ JE_DEVICE void build_padpre(const Tables& tb, int E_loc, int A) {
     tb.padpre[e + 1] = tb.padpre[e] + static_cast<int>(ep_align(tb.cnt_e[e], A) - tb.cnt_e[e]);
 }
 
-// One received token (s, t) -> non-expand row i (and its expand rows). Whole warp.
-JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Half& hs, int s, int t, int i,
-                          int E_loc, int lane) {
+// Receiver: one token (s, t) -> non-expand row i (and its expand rows). Whole warp. Every source is own memory:
+// x / topk / weights / pos_exp of the own rank, or the slot s pushed.
+JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Half& own, const Slot& sl, int s, int t,
+                          int i, int E_loc, int lane) {
   const int me = p.w.rank, K = p.K, M = p.M;
   const bool self = s == me;
   const int64_t tK = static_cast<int64_t>(t) * K;
-  const uint8_t* src_x = self ? p.x + t * p.x_bytes : hs.x + t * p.L.x_row;
-  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : hs.sf + t * p.L.sf_row;
-  int id = -1, pe = -1;  // routing loads are issued first; non-expand consumes them after the row copy
+  const uint8_t* src_x = self ? p.x + t * p.x_bytes : sl.x + t * p.L.x_row;
+  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : sl.sf + t * p.L.sf_row;
+  int id = -1, pe = -1;
   float wv = 0.0f;
   if (lane < K) {
-    id = self ? p.topk[tK + lane] : __ldcg(hs.topk + tK + lane);
-    if (p.recv_w) wv = self ? p.weights[tK + lane] : __ldcg(hs.w + tK + lane);
-    if (p.expand) pe = __ldcg(hs.pos_exp + tK + lane);
+    id = self ? p.topk[tK + lane] : __ldcg(sl.topk + tK + lane);
+    if (p.recv_w) wv = self ? p.weights[tK + lane] : __ldcg(sl.w + tK + lane);
+    if (p.expand) pe = self ? own.pos_exp[tK + lane] : __ldcg(sl.pexp + tK + lane);
   }
-  if (!p.expand) {  // destination known: the row does not wait for the routing round trip
+  if (!p.expand) {
     warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
     if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
   }
@@ -197,7 +292,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
   __shared__ int sh_abort, sh_next;
-  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -210,10 +304,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     sh_next = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
-  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
-  const int half = static_cast<int>(seq & 1);
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
@@ -223,7 +315,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const int LW = p.layout_warps;
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
   __syncthreads();
-  const int tpc = (M + G - 1) / G;
+  const int tpc = tokens_per_cta(M);
   const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
   const int per_w = (t1 - t0 + LW - 1) / LW;
   const int wa = min(t0 + warp * per_w, t1), wb = min(wa + per_w, t1);
@@ -326,16 +418,50 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       }
     }
   }
-  if (!iabort) {
-    __threadfence_system();
+  __syncthreads();  // pass 2 of this CTA's range (and CTA 0's totals) visible to the whole CTA
+  if (c == 0 && !iabort) {  // header: totals, bad words and N into this rank's slot on every peer, then the flag
+    for (int q = tid; q < (R - 1) * RE; q += blockDim.x) {
+      const int d = (me + 1 + q / RE) % R, f = q % RE;
+      const Slot sl = peer_slot(p, hoff, me, d);
+      if (f < R) sl.counts[f] = own.counts[f]; else sl.exp_counts[f - R] = own.exp_counts[f - R];
+    }
+    for (int d = tid; d < R; d += blockDim.x) {
+      if (d == me) continue;
+      const Slot sl = peer_slot(p, hoff, me, d);
+      if (bad) {
+        const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
+        const int id = p.topk[static_cast<int64_t>(t) * K + k];
+        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadDetail)) =
+            ep_bad_detail(t, (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert);
+        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadValue)) = id;
+      }
+      *sl.ctrl(EpInbox::kBad) = bad ? seq : 0;
+      *sl.ctrl(EpInbox::kN) = static_cast<uint64_t>(N);
+    }
     __syncthreads();
-    if (tid == 0) st_release_sys_u64(layout_flag(ws, half, c), seq);
+    if (tid == 0) {
+      __threadfence_system();
+      for (int d = 0; d < R; ++d)
+        if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
+    }
   }
 
   const int PW = nwarps - SW;
+  const int CH = p.chunk;
   if (warp < SW) {
-    // ---- 2. stage warps --------------------------------------------------------------------------------------
-    if (!bad && !iabort) stage_payload(p, own, ws, seq, SW, false);
+    // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
+    if (!bad && !iabort) {
+      const int te_all = min(t1, N);
+      int li = 0;
+      for (int cb = t0; cb < te_all; cb += CH, ++li) {
+        const int ce = min(cb + CH, te_all);
+        for (int t = cb + warp; t < ce; t += SW)
+          push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
+                     lane);
+        bar_sync(1, SW * 32);
+        if (tid == 0) publish_progress(p, hoff, seq, li + 1);
+      }
+    }
     bar_sync(1, SW * 32);
     if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
     bar_sync(2, blockDim.x);  // receive tables built by the pull warps
@@ -365,21 +491,19 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     return;
   }
 
-  // ---- 3. pull warps --------------------------------------------------------------------------------------------
-  const int pw = warp - SW, ptid = tid - SW * 32, pthreads = PW * 32;
+  // ---- 3. pull warps ------------------------------------------------------------------------------------------------
+  const int ptid = tid - SW * 32, pthreads = PW * 32;
   bool ok = !bad && !iabort;
   if (ok) {
-    for (int q = ptid; q < R * G; q += pthreads) {
-      const int s = q / G, cc = q % G;
-      if (!wait_ge(layout_flag(p.w.ws_peers[s], half, cc), seq, p.w, kOpEpDispatch, s)) atomicOr(&sh_abort, 1);
-    }
-    bar_sync(3, pthreads);
-    for (int s = ptid; s < R && !sh_abort; s += pthreads) {
-      const uint8_t* pws = p.w.ws_peers[s];
-      if (cuda::ld_acquire_sys(ws_u64(pws, EpWorkspace::kDispatchBad)) == seq) {
+    for (int s = ptid; s < R; s += pthreads) {  // every peer's header (own memory)
+      if (s == me) continue;
+      const Slot sl = peer_slot(p, hoff, s, me);
+      if (!wait_ge(sl.ctrl(EpInbox::kFlag), seq, p.w, kOpEpDispatch, s)) {
+        atomicOr(&sh_abort, 1);
+      } else if (ld_volatile_u64(sl.ctrl(EpInbox::kBad)) == seq) {
         cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, s, 0,
-                                  __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kDispatchBadValue)),
-                                  0, __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kDispatchBadDetail)));
+                                  *reinterpret_cast<const volatile int64_t*>(sl.ctrl(EpInbox::kBadValue)), 0,
+                                  *reinterpret_cast<const volatile int64_t*>(sl.ctrl(EpInbox::kBadDetail)));
         atomicOr(&sh_abort, 1);
       }
     }
@@ -387,17 +511,18 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     ok = !sh_abort;
   }
   if (ok) {
-    // receive tables
+    // receive tables (counts of source q: own totals or q's header)
     for (int q = ptid; q < R; q += pthreads) {
-      const Half hq = half_at(p.w.st_peers[q] + hoff, p.L);
-      tb.psum_excl[q + 1] = __ldcg(hq.counts + me);  // recv_from[q], scanned below
+      const int32_t* cq = q == me ? own.counts : peer_slot(p, hoff, q, me).counts;
+      tb.psum_excl[q + 1] = __ldcg(cq + me);  // recv_from[q], scanned below
       int b = 0;
-      for (int s = 0; s < me; ++s) b += __ldcg(half_at(p.w.st_peers[s] + hoff, p.L).counts + q);
+      for (int s = 0; s < me; ++s) b += __ldcg(peer_slot(p, hoff, s, me).counts + q);
       tb.base_dst[q] = b;
     }
     for (int q = ptid; q < R * E_loc; q += pthreads) {
       const int s = q / E_loc, e = q % E_loc;
-      tb.off[q] = __ldcg(half_at(p.w.st_peers[s] + hoff, p.L).exp_counts + me * E_loc + e);
+      const int32_t* ec = s == me ? own.exp_counts : peer_slot(p, hoff, s, me).exp_counts;
+      tb.off[q] = __ldcg(ec + me * E_loc + e);
     }
     bar_sync(3, pthreads);
     if (ptid == 0) {
@@ -427,44 +552,44 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   bar_arrive(2, blockDim.x);
   if (!ok) return;
 
-  // pulls: items (local chunk li, source slot q), own rank first; handed out dynamically (own rows are cheaper
-  // than remote ones, so a static split would leave the remote pulls to half of the warps)
-  const int CH = p.chunk;
-  const int nch = (M + CH - 1) / CH;
-  const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
-  (void)pw;
+  // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
+  const int nloc = (t1 - t0 + CH - 1) / CH;
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
     it = __shfl_sync(kFull, it, 0);
     if (it >= nloc * R) break;
     const int li = it / R, q = it % R;
-    const int j = c + li * G, s = (me + q) % R;
-    const Half hs = half_at(p.w.st_peers[s] + hoff, p.L);
-    const int tb0 = j * CH;
+    const int s = (me + q) % R;
+    const bool self = s == me;
+    const Slot sl = self ? Slot{} : peer_slot(p, hoff, s, me);
+    const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
+    const int cb = t0 + li * CH, ce = min(min(cb + CH, t1), Ns);
+    if (cb >= ce) continue;
+    if (!self && !warp_wait_local(sl.ctrl(EpInbox::kProgress + 8ull * c), progress_value(seq, li + 1), p.w,
+                                  kOpEpDispatch, s, lane))
+      return;
     int pos = -1;
-    if (lane < CH && tb0 + lane < M) pos = __ldcg(hs.pos_rank + static_cast<int64_t>(tb0 + lane) * R + me);
+    if (lane < ce - cb) pos = self ? own.pos_rank[static_cast<int64_t>(cb + lane) * R + me] : __ldcg(sl.pos + cb + lane);
     unsigned vm = __ballot_sync(kFull, pos >= 0);
-    if (!vm) continue;
-    if (s != me && !wait_chunk(p, s, tb0, seq, lane, sh_prog)) return;
     while (vm) {
       const int b = __ffs(vm) - 1;
       vm &= vm - 1;
       const int pb = __shfl_sync(kFull, pos, b);
-      pull_token(p, tb, hs, s, tb0 + b, tb.psum_excl[s] + pb, E_loc, lane);
+      pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane);
     }
   }
 }
 
 // One received row i of a cached dispatch (source s, token t). Whole warp.
-JE_DEVICE void pull_cached(const EpDispatchParams& p, const Half& hs, int s, int t, int i, int lane) {
+JE_DEVICE void pull_cached(const EpDispatchParams& p, const Slot& sl, int s, int t, int i, int lane) {
   const int me = p.w.rank, K = p.K;
   const bool self = s == me;
   const int64_t tK = static_cast<int64_t>(t) * K;
-  const uint8_t* src_x = self ? p.x + t * p.x_bytes : hs.x + t * p.L.x_row;
-  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : hs.sf + t * p.L.sf_row;
+  const uint8_t* src_x = self ? p.x + t * p.x_bytes : sl.x + t * p.L.x_row;
+  const uint8_t* src_sf = self ? p.sf + t * p.sf_bytes : sl.sf + t * p.L.sf_row;
   float wv = 0.0f;
-  if (p.recv_w && lane < K) wv = self ? p.weights[tK + lane] : __ldcg(hs.w + tK + lane);
+  if (p.recv_w && lane < K) wv = self ? p.weights[tK + lane] : __ldcg(sl.w + tK + lane);
   if (!p.expand) {
     warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
     if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
@@ -488,26 +613,34 @@ JE_DEVICE void pull_cached(const EpDispatchParams& p, const Half& hs, int s, int
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const EpDispatchParams p, int SW) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
-  __shared__ unsigned long long sh_prog[kProgressCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
-  const int M = p.M, K = p.K, E_loc = p.E / R;
+  const int M = p.M, N = p.N, K = p.K, E_loc = p.E / R;
   uint8_t* ws = p.w.ws_own;
   if (tid == 0) {
     sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
-  progress_cache_init(sh_prog);
   __syncthreads();
   const uint64_t seq = sh_seq;
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
   const int PW = nwarps - SW;
+  const int CH = p.chunk, tpc = tokens_per_cta(M);
 
   if (warp < SW) {
-    stage_payload(p, own, ws, seq, SW, true);
+    const int t0 = min(c * tpc, N), te_all = min(t0 + tpc, N);
+    int li = 0;
+    for (int cb = t0; cb < te_all; cb += CH, ++li) {
+      const int ce = min(cb + CH, te_all);
+      for (int t = cb + warp; t < ce; t += SW)
+        push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
+                   lane);
+      bar_sync(1, SW * 32);
+      if (tid == 0) publish_progress(p, hoff, seq, li + 1);
+    }
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
     bar_sync(2, blockDim.x);
@@ -535,7 +668,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
                                 ep_bad_detail(0, kEpBadHandle));
     num_recv = 0;
   }
-  int last_s = -1, last_j = -1;
+  int last_s = -1, last_c = -1, last_li = -1;
   for (int blk = c * PW + pw; blk * 32 < num_recv; blk += G * PW) {
     const int i = blk * 32 + lane;
     int gid = -1;
@@ -552,13 +685,18 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       const int b = __ffs(vm) - 1;
       vm &= vm - 1;
       const int g = __shfl_sync(kFull, gid, b);
-      const int s = g / M, t = g % M, j = t / p.chunk;
-      if (s != me && (s != last_s || j != last_j)) {
-        if (!wait_chunk(p, s, t, seq, lane, sh_prog)) return;
+      const int s = g / M, t = g % M;
+      const int sc = t / tpc, sli = (t - sc * tpc) / CH;
+      const Slot sl = s == me ? Slot{} : peer_slot(p, hoff, s, me);
+      if (s != me && (s != last_s || sc != last_c || sli > last_li)) {
+        if (!warp_wait_local(sl.ctrl(EpInbox::kProgress + 8ull * sc), progress_value(seq, sli + 1), p.w,
+                             kOpEpDispatch, s, lane))
+          return;
         last_s = s;
-        last_j = j;
+        last_c = sc;
+        last_li = sli;
       }
-      pull_cached(p, half_at(p.w.st_peers[s] + hoff, p.L), s, t, blk * 32 + b, lane);
+      pull_cached(p, sl, s, t, blk * 32 + b, lane);
     }
   }
 }
@@ -610,7 +748,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   if (smem < 0) return cudaErrorInvalidValue;
   p.layout_warps = lw;
   p.smem_tables = off;
-  p.chunk = ep_chunk(p.M, p.w.nranks, l.num_ctas);
+  p.chunk = ep_dispatch_chunk(p.M, l.num_ctas);
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(smem), stream);
 }
 
@@ -618,7 +756,7 @@ cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cud
   const int R = p.w.nranks;
   p.layout_warps = 0;
   p.smem_tables = 0;
-  p.chunk = ep_chunk(p.M, R, l.num_ctas);
+  p.chunk = ep_dispatch_chunk(p.M, l.num_ctas);
   const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
   return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
 }
