@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       const int j = row / CH;
       const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), j % G);
       const uint64_t target = progress_value(seq, j / G + 1);
-      if (cuda::ld_acquire_sys(w) < target) okw = wait_ge(w, target, p.w, kOpEpCombine, d);
+      okw = wait_local(w, target, p.w, kOpEpCombine, d);
     }
     if (!__all_sync(kFull, okw)) return;
     __syncwarp();

@@ -134,6 +134,36 @@ JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, in
 
 JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32) | n; }
 
+// Bounded wait of ONE thread for the OWN-memory word *p >= target that a peer (or another CTA) releases: relaxed
+// polls with a __nanosleep back-off, then one acquire load (the word only grows, so it returns at once). Why not a
+// tight acquire poll: hundreds of waiting warps share the SMs with the copy warps and the L2 with the incoming
+// NVLink stores, and system-scope acquires in a loop slowed the whole combine down by 10x, more with more SMs.
+// Records a timeout against `peer`; returns false on timeout or when another failure was recorded (abort).
+JE_DEVICE bool wait_local(const uint64_t* p, uint64_t target, const EpWindow& w, int32_t op, int32_t peer) {
+  uint64_t v = ld_volatile_u64(p);
+  if (v < target) {
+    const uint64_t start = cuda::globaltimer_ns();
+    uint64_t next_check = start + cuda::kErrorPollIntervalNs;
+    unsigned ns = 32;
+    while ((v = ld_volatile_u64(p)) < target) {
+      __nanosleep(ns);
+      ns = ns < 512 ? ns * 2 : 512;
+      const uint64_t now = cuda::globaltimer_ns();
+      if (now - start > w.timeout_ns) {
+        cuda::record_error_device(w.err, kErrTimeout, op, w.rank, peer, static_cast<int64_t>(target),
+                                  static_cast<int64_t>(v), static_cast<int64_t>(now - start), 0);
+        return false;
+      }
+      if (now >= next_check) {
+        next_check = now + cuda::kErrorPollIntervalNs;
+        if (cuda::ld_volatile(&w.err->code) != 0) return false;
+      }
+    }
+  }
+  (void)cuda::ld_acquire_sys(p);
+  return true;
+}
+
 // Per-CTA cache of the progress words seen so far (shared memory, index peer * G + cta, kProgressCache entries):
 // staging runs ahead of the pulls, so most waits are answered here instead of by a remote NVLink round trip.
 // A hit is ordered after the acquire that filled it (fence.cta on both sides of the relaxed shared accesses).

@@ -120,7 +120,7 @@ JE_DEVICE int tokens_per_cta(int M) { return (M + static_cast<int>(gridDim.x) - 
 JE_DEVICE bool warp_wait_local(const uint64_t* w, uint64_t target, const EpWindow& win, int32_t op, int32_t peer,
                                int lane) {
   int ok = 1;
-  if (lane == 0 && cuda::ld_acquire_sys(w) < target) ok = wait_ge(w, target, win, op, peer);
+  if (lane == 0) ok = wait_local(w, target, win, op, peer);
   ok = __shfl_sync(kFull, ok, 0);
   __syncwarp();
   return ok != 0;
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     for (int s = ptid; s < R; s += pthreads) {  // every peer's header (own memory)
       if (s == me) continue;
       const Slot sl = peer_slot(p, hoff, s, me);
-      if (!wait_ge(sl.ctrl(EpInbox::kFlag), seq, p.w, kOpEpDispatch, s)) {
+      if (!wait_local(sl.ctrl(EpInbox::kFlag), seq, p.w, kOpEpDispatch, s)) {
         atomicOr(&sh_abort, 1);
       } else if (ld_volatile_u64(sl.ctrl(EpInbox::kBad)) == seq) {
         cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, s, 0,
