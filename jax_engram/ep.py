@@ -71,10 +71,11 @@ def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:
 
 
 _INBOX_CTAS = 160  # kEpInboxCtas in ep_layout.h
+_INBOX_WARPS = 16  # kEpInboxWarps
 
 
 def _inbox_bytes(R: int, M: int, K: int, E: int, x_row: int, sf_row: int) -> int:
-    off = _align(64 + 8 * _INBOX_CTAS, _ALIGN)  # ctrl + progress
+    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS, _ALIGN)  # ctrl + progress
     off = _align(off + 4 * R, _ALIGN)           # counts
     off = _align(off + 4 * E, _ALIGN)           # exp_counts
     off = _align(off + 4 * M, _ALIGN)           # pos
@@ -108,7 +109,7 @@ def combine_staging_bytes(R: int, M: int, K: int, hidden_bytes: int, push: bool 
     """Bytes of a combine staging region (EpCombineLayout::total_bytes in ep_layout.h)."""
     y_row = _align(hidden_bytes, 16)
     if push:
-        slot = _align(_align(8 * _INBOX_CTAS, _ALIGN) + M * y_row, _ALIGN)
+        slot = _align(_align(8 * _INBOX_CTAS * _INBOX_WARPS, _ALIGN) + M * y_row, _ALIGN)
         return 2 * R * _align(slot + 4 * M * K, _ALIGN)
     off = _align(R * M * y_row, _ALIGN)
     half = _align(off + 4 * R * M * K, _ALIGN)

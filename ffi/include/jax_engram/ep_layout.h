@@ -126,18 +126,21 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 // polls and reads only its own memory. Slot of source s on rank d: ep_inbox_slot(s, d, R) (own rows never
 // travel). Slot contents, per half:
 //   ctrl        uint64 flag (= seq once the header below is valid), bad (= seq if the source's input is bad),
-//               bad_detail, bad_value, n (the source's N), then progress[kEpInboxCtas]: progress[c] =
-//               (seq << 32) | n once source CTA c pushed its first n token chunks (release, system scope)
+//               bad_detail, bad_value, n (the source's N), then progress[kEpInboxCtas][kEpInboxWarps]:
+//               progress[c][w] = (seq << 32) | n once stage warp w of source CTA c pushed its first n chunks
+//               (release, system scope; one word per warp so that no warp waits for another one's stores)
 //   counts      int32[R], exp_counts int32[E]   the source's totals (header)
 //   pos         int32[M]          pos_rank_s[t, d] (or -1), for every t < N_s
 //   topk_idx, weights, pos_exp    [M, K] rows of the tokens sent to d
 //   x, scales   [M] rows of the tokens sent to d (row t = token t)
-inline constexpr int kEpInboxCtas = 160;  // progress words per slot = the most CTAs an EP kernel may use
+inline constexpr int kEpInboxCtas = 160;  // the most CTAs an EP kernel may use
+inline constexpr int kEpInboxWarps = 16;  // the most stage warps per CTA
+JE_HD uint64_t ep_progress_index(int64_t cta, int64_t warp) { return (uint64_t)(cta * kEpInboxWarps + warp); }
 JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R) % R - 1; }
 struct EpInbox {
   int64_t R, M, K, E, x_row, sf_row;
   static constexpr uint64_t kFlag = 0, kBad = 8, kBadDetail = 16, kBadValue = 24, kN = 32, kProgress = 64;
-  JE_HD uint64_t counts() const { return align_up(kProgress + 8ull * kEpInboxCtas, kEpAlign); }
+  JE_HD uint64_t counts() const { return align_up(kProgress + 8ull * kEpInboxCtas * kEpInboxWarps, kEpAlign); }
   JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
   JE_HD uint64_t pos() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
   JE_HD uint64_t topk_idx() const { return align_up(pos() + 4 * M, kEpAlign); }
@@ -180,7 +183,8 @@ struct EpDispatchLayout {
 //   weights  f32[R*M, K]         non-expand w[i, :]; expand w[meta[i, 2+k]] or 0 (if weights given)
 // y_row = align(H * elt_y, 16). That is the PULL protocol (CPU). PUSH (CUDA): the half is R slots, slot d on
 // source rank s holding what expert rank d returns for s's tokens, indexed by token:
-//   progress uint64[kEpInboxCtas]   progress[c] = (seq << 32) | n once d's CTA c pushed its first n row chunks
+//   progress uint64[kEpInboxCtas][kEpInboxWarps]   progress[c][w] = (seq << 32) | n once stage warp w of d's CTA c
+//                                    pushed its first n row chunks
 //   y        bytes[M, y_row]        row t = the value above for d's received row of (s, t)
 //   weights  f32[M, K]
 struct EpCombineLayout {
@@ -192,7 +196,7 @@ struct EpCombineLayout {
   JE_HD uint64_t y() const { return 0; }
   JE_HD uint64_t weights() const { return align_up(y() + (uint64_t)(R * M * y_row), kEpAlign); }
   // push slots
-  JE_HD uint64_t slot_y() const { return align_up(8ull * kEpInboxCtas, kEpAlign); }
+  JE_HD uint64_t slot_y() const { return align_up(8ull * kEpInboxCtas * kEpInboxWarps, kEpAlign); }
   JE_HD uint64_t slot_weights() const { return align_up(slot_y() + (uint64_t)(M * y_row), kEpAlign); }
   JE_HD uint64_t slot_bytes() const { return align_up(slot_weights() + 4 * M * K, kEpAlign); }
   JE_HD uint64_t slot_at(int64_t d) const { return (uint64_t)d * slot_bytes(); }

@@ -36,7 +36,8 @@ struct EpLaunch {
 
 inline constexpr int kEpThreads = 512;  // threads per CTA of every EP kernel
 inline constexpr int kEpMaxCtas = 160;  // scratch arrays are sized for this many CTAs
-static_assert(kEpMaxCtas == kEpInboxCtas, "every CTA needs a progress word in the inbox slots (ep_layout.h)");
+static_assert(kEpMaxCtas == kEpInboxCtas, "every CTA needs progress words in the inbox slots (ep_layout.h)");
+static_assert(kEpThreads / 32 <= kEpInboxWarps, "every stage warp needs a progress word (ep_layout.h)");
 
 struct EpDispatchParams {
   EpWindow w;
@@ -107,11 +108,11 @@ inline int32_t ep_chunk(int64_t M, int64_t R, int64_t ctas) {
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }
 
-// Dispatch chunk (tokens): each CTA owns ceil(M/G) consecutive tokens and pushes them in ~8 chunks (receivers
-// start copying after the first), 1..32 tokens each.
-inline int32_t ep_dispatch_chunk(int64_t M, int64_t ctas) {
-  const int64_t tpc = (M + ctas - 1) / ctas;
-  const int64_t c = tpc / 8;
+// Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
+// chunks; ~4 chunks per warp so that receivers start early, 1..32 items each.
+inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
+  const int64_t q = 4 * stage_warps;
+  const int64_t c = (per_cta + q - 1) / q;
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }
 

@@ -222,7 +222,10 @@ JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsi
 JE_DEVICE uint8_t* combine_slot(const EpCombineParams& p, uint64_t hoff, int s, int d) {
   return (s == p.w.rank ? p.w.st_own : p.w.st_peers[s]) + hoff + p.L.slot_at(d);
 }
-JE_DEVICE uint64_t* slot_progress(uint8_t* slot, int c) { return reinterpret_cast<uint64_t*>(slot) + c; }
+// Progress word of (CTA c, stage warp w) in a slot.
+JE_DEVICE uint64_t* slot_progress(uint8_t* slot, int c, int w) {
+  return reinterpret_cast<uint64_t*>(slot) + ep_progress_index(c, w);
+}
 
 JE_DEVICE void mark_bad(const EpCombineParams& p, uint64_t seq, int64_t detail, int64_t value) {
   uint8_t* ws = p.w.ws_own;
@@ -264,11 +267,13 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       if (c == 0 && tid == 0) mark_bad(p, seq, ep_bad_detail(0, kEpBadHandle), num_recv);
       num_recv = 0;
     }
+    // row chunk j on CTA j % G as its li = j / G -th, pushed by stage warp li % SW as its (li / SW)-th
     const int nch = (num_recv + CH - 1) / CH;
-    int li = 0;
-    for (int j = c; j < nch; j += G, ++li) {
+    int n = 0;
+    for (int li = warp; c + li * G < nch; li += SW) {
+      const int j = c + li * G;
       const int ie = min(j * CH + CH, num_recv);
-      for (int i = j * CH + warp; i < ie; i += SW) {
+      for (int i = j * CH; i < ie; ++i) {
         const int gid = p.meta[static_cast<int64_t>(i) * (K + 2)];
         if (gid < 0 || gid >= rows_tok) {
           if (lane == 0) mark_bad(p, seq, ep_bad_detail(i, kEpBadHandle), gid);
@@ -301,12 +306,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
         }
         if (p.weights && lane < K) st_w[lane] = r >= 0 ? p.weights[r] : 0.0f;
       }
-      bar_sync(1, SW * 32);
-      if (warp == 0) {  // progress of this chunk in slot `me` of every rank
-        __threadfence_system();
-        for (int s = lane; s < R; s += 32)
-          st_release_sys_u64(slot_progress(combine_slot(p, hoff, s, me), c), progress_value(seq, li + 1));
-      }
+      // progress of this warp in slot `me` of every rank (no barrier with the other warps)
+      ++n;
+      __threadfence_system();
+      __syncwarp();
+      for (int s = lane; s < R; s += 32)
+        st_release_sys_u64(slot_progress(combine_slot(p, hoff, s, me), c, warp), progress_value(seq, n));
     }
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
@@ -349,9 +354,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     int okw = 1;
     const uint8_t* slot = master ? combine_slot(p, hoff, me, d) : nullptr;
     if (master) {
-      const int j = row / CH;
-      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), j % G);
-      const uint64_t target = progress_value(seq, j / G + 1);
+      const int j = row / CH, li = j / G;
+      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), j % G, li % SW);
+      const uint64_t target = progress_value(seq, li / SW + 1);
       okw = wait_local(w, target, p.w, kOpEpCombine, d);
     }
     if (!__all_sync(kFull, okw)) return;
@@ -385,7 +390,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   if (l.num_ctas < 1 || l.num_ctas > kEpMaxCtas || l.stage_warps < 1 || l.stage_warps >= kEpThreads / 32)
     return cudaErrorInvalidValue;
   EpCombineParams p = p0;
-  p.chunk = ep_chunk(p.M, p.w.nranks, l.num_ctas);
+  p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);

@@ -126,16 +126,23 @@ JE_DEVICE bool warp_wait_local(const uint64_t* w, uint64_t target, const EpWindo
   return ok != 0;
 }
 
-// Publishes progress[c] = (seq << 32) | n on every peer's slot of this rank (one thread; after a barrier over
-// every thread that pushed).
-JE_DEVICE void publish_progress(const EpDispatchParams& p, uint64_t hoff, uint64_t seq, int n) {
+// Publishes progress[c][warp] = (seq << 32) | n on every peer's slot of this rank. Whole warp, after its pushes.
+JE_DEVICE void publish_progress(const EpDispatchParams& p, uint64_t hoff, uint64_t seq, int n, int warp, int lane) {
   __threadfence_system();
-  for (int d = 0; d < p.w.nranks; ++d) {
+  __syncwarp();
+  for (int d = lane; d < p.w.nranks; d += 32) {
     if (d == p.w.rank) continue;
-    st_release_sys_u64(peer_slot(p, hoff, p.w.rank, d).ctrl(EpInbox::kProgress + 8ull * blockIdx.x),
+    st_release_sys_u64(peer_slot(p, hoff, p.w.rank, d).ctrl(EpInbox::kProgress + 8ull * ep_progress_index(blockIdx.x, warp)),
                        progress_value(seq, n));
   }
 }
+
+// The progress word (and value) that covers chunk `li` of source CTA `c` (chunk li is pushed by stage warp li % SW
+// as its (li / SW)-th).
+JE_DEVICE const uint64_t* chunk_word(const Slot& sl, int c, int li, int SW) {
+  return sl.ctrl(EpInbox::kProgress + 8ull * ep_progress_index(c, li % SW));
+}
+JE_DEVICE uint64_t chunk_value(uint64_t seq, int li, int SW) { return progress_value(seq, li / SW + 1); }
 
 // Copies `nbytes` from src to the destinations of the set bits of `mask` (destination of bit b = lane_dst of lane
 // b): each vector is loaded once and stored to every destination. All 32 lanes call it with the same mask.
@@ -450,16 +457,15 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const int CH = p.chunk;
   if (warp < SW) {
     // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
-    if (!bad && !iabort) {
+    if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
       const int te_all = min(t1, N);
-      int li = 0;
-      for (int cb = t0; cb < te_all; cb += CH, ++li) {
-        const int ce = min(cb + CH, te_all);
-        for (int t = cb + warp; t < ce; t += SW)
+      int n = 0;
+      for (int li = warp; t0 + li * CH < te_all; li += SW) {
+        const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
+        for (int t = cb; t < ce; ++t)
           push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
                      lane);
-        bar_sync(1, SW * 32);
-        if (tid == 0) publish_progress(p, hoff, seq, li + 1);
+        publish_progress(p, hoff, seq, ++n, warp, lane);
       }
     }
     bar_sync(1, SW * 32);
@@ -566,8 +572,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
     const int cb = t0 + li * CH, ce = min(min(cb + CH, t1), Ns);
     if (cb >= ce) continue;
-    if (!self && !warp_wait_local(sl.ctrl(EpInbox::kProgress + 8ull * c), progress_value(seq, li + 1), p.w,
-                                  kOpEpDispatch, s, lane))
+    if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
     int pos = -1;
     if (lane < ce - cb) pos = self ? own.pos_rank[static_cast<int64_t>(cb + lane) * R + me] : __ldcg(sl.pos + cb + lane);
@@ -632,14 +637,13 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
 
   if (warp < SW) {
     const int t0 = min(c * tpc, N), te_all = min(t0 + tpc, N);
-    int li = 0;
-    for (int cb = t0; cb < te_all; cb += CH, ++li) {
-      const int ce = min(cb + CH, te_all);
-      for (int t = cb + warp; t < ce; t += SW)
+    int n = 0;
+    for (int li = warp; t0 + li * CH < te_all; li += SW) {
+      const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
+      for (int t = cb; t < ce; ++t)
         push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
                    lane);
-      bar_sync(1, SW * 32);
-      if (tid == 0) publish_progress(p, hoff, seq, li + 1);
+      publish_progress(p, hoff, seq, ++n, warp, lane);
     }
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
@@ -688,9 +692,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       const int s = g / M, t = g % M;
       const int sc = t / tpc, sli = (t - sc * tpc) / CH;
       const Slot sl = s == me ? Slot{} : peer_slot(p, hoff, s, me);
-      if (s != me && (s != last_s || sc != last_c || sli > last_li)) {
-        if (!warp_wait_local(sl.ctrl(EpInbox::kProgress + 8ull * sc), progress_value(seq, sli + 1), p.w,
-                             kOpEpDispatch, s, lane))
+      if (s != me && (s != last_s || sc != last_c || sli != last_li)) {
+        if (!warp_wait_local(chunk_word(sl, sc, sli, SW), chunk_value(seq, sli, SW), p.w, kOpEpDispatch, s, lane))
           return;
         last_s = s;
         last_c = sc;
@@ -748,7 +751,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   if (smem < 0) return cudaErrorInvalidValue;
   p.layout_warps = lw;
   p.smem_tables = off;
-  p.chunk = ep_dispatch_chunk(p.M, l.num_ctas);
+  p.chunk = ep_push_chunk((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(smem), stream);
 }
 
@@ -756,7 +759,7 @@ cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cud
   const int R = p.w.nranks;
   p.layout_warps = 0;
   p.smem_tables = 0;
-  p.chunk = ep_dispatch_chunk(p.M, l.num_ctas);
+  p.chunk = ep_push_chunk((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
   return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
 }
