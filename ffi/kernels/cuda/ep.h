@@ -73,7 +73,8 @@ struct EpDispatchParams {
   int32_t* group_sizes = nullptr;  // [E_loc]
   int32_t* token_out = nullptr;
   // launch shape (filled by the launcher)
-  int32_t chunk = 8;         // tokens per staging chunk (same on every rank: from M, R and the CTA count)
+  int32_t chunk = 8;         // tokens per push chunk (same on every rank: from M, the CTA and stage warp counts)
+  int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE: CTA 0 and G-1 printf their phase times (diagnosis only)
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
 };
@@ -99,7 +100,8 @@ struct EpCombineParams {
   uint8_t* out = nullptr;    // [N, H]
   float* out_w = nullptr;    // [N, K] or null
   int32_t* token_out = nullptr;
-  int32_t chunk = 8;         // rows per staging chunk (same on every rank: from M, R and the CTA count)
+  int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
+  int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
 };
 
 // Staging chunk (tokens / rows) for a config: small for few tokens (latency: every warp gets work), up to 32.

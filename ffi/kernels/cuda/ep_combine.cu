@@ -17,6 +17,8 @@
 //     weight k pushed by the rank owning expert k, 0 where masked.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
+
 #include "kernels/cuda/ep_common.cuh"
 
 namespace jax_engram {
@@ -241,12 +243,14 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
   __shared__ int sh_next;
+  __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R;
   uint8_t* ws = p.w.ws_own;
   if (tid == 0) {
+    sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kCombineSeq, EpScratch::kCombineArrive);
     sh_next = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
@@ -313,6 +317,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       for (int s = lane; s < R; s += 32)
         st_release_sys_u64(slot_progress(combine_slot(p, hoff, s, me), c, warp), progress_value(seq, n));
     }
+    EP_TRACE(p, sh_t0, "combine pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
     if (c == 0) {  // a call ends only after every peer published its ready (ep_layout.h)
@@ -325,6 +330,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
                                     0, __ldcg(reinterpret_cast<const long long*>(pws + EpWorkspace::kCombineBadDetail)));
       }
     }
+    EP_TRACE(p, sh_t0, "combine end_wait", tid == 0);
     return;
   }
 
@@ -381,6 +387,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       warp_sum<T>(out, b0, b1, mm, src, row_bytes, ring, terms, lane);
     }
   }
+  EP_TRACE(p, sh_t0, "combine reduced", lane == 0 && (warp == SW || warp == 15));
 }
 
 }  // namespace
@@ -391,6 +398,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
     return cudaErrorInvalidValue;
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.trace = std::getenv("JAX_ENGRAM_EP_TRACE") ? 1 : 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);

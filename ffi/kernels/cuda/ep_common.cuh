@@ -134,6 +134,15 @@ JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, in
 
 JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32) | n; }
 
+// Phase trace (JAX_ENGRAM_EP_TRACE=1, diagnosis only): one printf line per event of CTA 0 and the last CTA, with
+// the time since the kernel started on this GPU.
+#define EP_TRACE(p, t0, what, cond)                                                                            \
+  do {                                                                                                         \
+    if ((p).trace && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && (cond))                              \
+      printf("EPTRACE %s seq %llu rank %d cta %d warp %d: %.1f us\n", what, (unsigned long long)0, (p).w.rank, \
+             (int)blockIdx.x, (int)(threadIdx.x >> 5), (cuda::globaltimer_ns() - (t0)) * 1e-3);                \
+  } while (0)
+
 // Bounded wait of ONE thread for the OWN-memory word *p >= target that a peer (or another CTA) releases: relaxed
 // polls with a __nanosleep back-off, then one acquire load (the word only grows, so it returns at once). Why not a
 // tight acquire poll: hundreds of waiting warps share the SMs with the copy warps and the L2 with the incoming

@@ -27,6 +27,7 @@
 // slot s into row i / the expand rows meta[i, 2+k].
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
 
@@ -299,12 +300,14 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
   __shared__ int sh_abort, sh_next;
+  __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R, RE = R + E;
   uint8_t* ws = p.w.ws_own;
   if (tid == 0) {
+    sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
     sh_bad = ULLONG_MAX;
     sh_abort = 0;
@@ -355,6 +358,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   }
   if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
   const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch);  // internal failure: publish nothing, peers time out
+  EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
   // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
   if (tid == 0) {
@@ -452,6 +456,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
     }
   }
+  EP_TRACE(p, sh_t0, "dispatch layout+header", tid == 0);
 
   const int PW = nwarps - SW;
   const int CH = p.chunk;
@@ -468,6 +473,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         publish_progress(p, hoff, seq, ++n, warp, lane);
       }
     }
+    EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
     if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
     bar_sync(2, blockDim.x);  // receive tables built by the pull warps
@@ -490,10 +496,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       }
       if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
     }
+    EP_TRACE(p, sh_t0, "dispatch dst_row+counts", tid == 0);
     if (c == 0 && !iabort && !sh_abort) {  // a call ends only after every peer published its ready
       for (int s = tid; s < R; s += SW * 32)
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
     }
+    EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
     return;
   }
 
@@ -516,6 +524,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     bar_sync(3, pthreads);
     ok = !sh_abort;
   }
+  EP_TRACE(p, sh_t0, "dispatch headers_in", ptid == 0);
   if (ok) {
     // receive tables (counts of source q: own totals or q's header)
     for (int q = ptid; q < R; q += pthreads) {
@@ -556,6 +565,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     bar_sync(3, pthreads);
   }
   bar_arrive(2, blockDim.x);
+  EP_TRACE(p, sh_t0, "dispatch tables", ptid == 0);
   if (!ok) return;
 
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
@@ -584,6 +594,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane);
     }
   }
+  EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
 }
 
 // One received row i of a cached dispatch (source s, token t). Whole warp.
@@ -752,6 +763,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   p.layout_warps = lw;
   p.smem_tables = off;
   p.chunk = ep_push_chunk((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.trace = std::getenv("JAX_ENGRAM_EP_TRACE") ? 1 : 0;
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(smem), stream);
 }
 

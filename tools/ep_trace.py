@@ -1,0 +1,44 @@
+"""Phase trace of the CUDA EP kernels (diagnosis): dispatch -> combine a few times with JAX_ENGRAM_EP_TRACE=1, so
+CTA 0 and the last CTA of every rank printf when each phase ends (µs since the kernel started on that GPU).
+
+    python tools/ep_trace.py [tokens] [nonexpand|expand] [calls]
+"""
+import os
+import sys
+
+os.environ.setdefault("JAX_ENGRAM_EP_TRACE", "1")
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_engram as je  # noqa: E402
+
+M = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+expand = len(sys.argv) > 2 and sys.argv[2] == "expand"
+calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+H, K, E = 7168, 8, 256
+devs = jax.devices()[:2]
+R = len(devs)
+mesh = Mesh(np.array(devs), ("ep",))
+ctx = je.init(mesh, "ep")
+rng = np.random.default_rng(0)
+tk = np.argsort(rng.random((R, M, E)), axis=-1)[..., :K].astype(np.int32)
+x = rng.standard_normal((R, M, H)).astype(np.float32)
+
+
+def f(x, tk):
+    res = je.dispatch(x[0].astype(jnp.bfloat16), tk[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M,
+                      expand=expand)
+    out, _ = je.combine(res.recv_x, res.handle)
+    return out[None]
+
+
+g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
+xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
+ts = jax.device_put(tk, NamedSharding(mesh, P("ep")))
+for i in range(calls):
+    print(f"--- call {i} tokens={M} expand={expand}", flush=True)
+    g(xs, ts).block_until_ready()
+    sys.stdout.flush()
+ctx.close()
