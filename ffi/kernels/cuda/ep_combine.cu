@@ -17,6 +17,7 @@
 //     weight k pushed by the rank owning expert k, 0 where masked.
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
@@ -244,6 +245,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   __shared__ uint64_t sh_seq;
   __shared__ int sh_next;
   __shared__ uint64_t sh_t0;
+  __shared__ int sh_base[kMaxRanks];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
@@ -271,13 +273,25 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       if (c == 0 && tid == 0) mark_bad(p, seq, ep_bad_detail(0, kEpBadHandle), num_recv);
       num_recv = 0;
     }
-    // row chunk j on CTA j % G as its li = j / G -th, pushed by stage warp li % SW as its (li / SW)-th
-    const int nch = (num_recv + CH - 1) / CH;
+    // Items (k, s) interleaved over the sources, q = k * R + s: rows [b_s + k*CH, ...) of source s's region
+    // [b_s, b_s + cnt_s) (b_s = psum_rank[s-1]). Item q is CTA q % G's li = q / G -th, pushed by stage warp li % SW
+    // as its (li / SW)-th, and only source s is told. Why interleaved: in rank-major order every expert rank
+    // returns the rows of source 0 first, so the last source could start reducing only after all pushes ended.
+    int kmax = 0;
+    for (int s = 0; s < R; ++s) {
+      const int b = s == 0 ? 0 : min(max(p.psum_rank[s - 1], 0), num_recv);
+      const int e = min(max(p.psum_rank[s], b), num_recv);
+      kmax = max(kmax, (e - b + CH - 1) / CH);
+    }
+    const int nitems = kmax * R;
     int n = 0;
-    for (int li = warp; c + li * G < nch; li += SW) {
-      const int j = c + li * G;
-      const int ie = min(j * CH + CH, num_recv);
-      for (int i = j * CH; i < ie; ++i) {
+    for (int li = warp; c + li * G < nitems; li += SW) {
+      const int q = c + li * G, k = q / R, src = q % R;
+      const int b = src == 0 ? 0 : min(max(p.psum_rank[src - 1], 0), num_recv);
+      const int e = min(max(p.psum_rank[src], b), num_recv);
+      const int ib = b + k * CH, ie = min(ib + CH, e);
+      ++n;
+      for (int i = ib; i < ie; ++i) {
         const int gid = p.meta[static_cast<int64_t>(i) * (K + 2)];
         if (gid < 0 || gid >= rows_tok) {
           if (lane == 0) mark_bad(p, seq, ep_bad_detail(i, kEpBadHandle), gid);
@@ -310,12 +324,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
         }
         if (p.weights && lane < K) st_w[lane] = r >= 0 ? p.weights[r] : 0.0f;
       }
-      // progress of this warp in slot `me` of every rank (no barrier with the other warps)
-      ++n;
+      if (ib >= ie) continue;  // an empty item still counts in n (the source side derives n from q)
+      // progress of this warp in slot `me` of rank src (no barrier with the other warps)
       __threadfence_system();
       __syncwarp();
-      for (int s = lane; s < R; s += 32)
-        st_release_sys_u64(slot_progress(combine_slot(p, hoff, s, me), c, warp), progress_value(seq, n));
+      if (lane == 0) st_release_sys_u64(slot_progress(combine_slot(p, hoff, src, me), c, warp), progress_value(seq, n));
     }
     EP_TRACE(p, sh_t0, "combine pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
@@ -335,6 +348,16 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   }
 
   // ---- pull warps (source side) ---------------------------------------------------------------------------------
+  // base[d] = first row of this rank's region on d = min over tokens of dst_row[t, d] (pos 0 is the first token sent)
+  int* base = sh_base;
+  const int ptid = tid - SW * 32, pthreads = (blockDim.x >> 5) * 32 - SW * 32;
+  for (int d = ptid; d < R; d += pthreads) base[d] = INT_MAX;
+  bar_sync(3, pthreads);
+  for (int i = ptid; i < N * R; i += pthreads) {
+    const int v = p.dst_row[i];
+    if (v >= 0) atomicMin(&base[i % R], v);
+  }
+  bar_sync(3, pthreads);
   const int nch = (N + CH - 1) / CH;
   const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
   for (;;) {  // tokens handed out dynamically over the pull warps
@@ -360,8 +383,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     int okw = 1;
     const uint8_t* slot = master ? combine_slot(p, hoff, me, d) : nullptr;
     if (master) {
-      const int j = row / CH, li = j / G;
-      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), j % G, li % SW);
+      const int q = ((row - base[d]) / CH) * R + me, li = q / G;
+      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), q % G, li % SW);
       const uint64_t target = progress_value(seq, li / SW + 1);
       okw = wait_local(w, target, p.w, kOpEpCombine, d);
     }

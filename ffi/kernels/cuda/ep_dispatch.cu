@@ -244,11 +244,37 @@ JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, in
   }
 }
 
-// Padding prefix from cnt_e / start_e (one thread).
-JE_DEVICE void build_padpre(const Tables& tb, int E_loc, int A) {
-  tb.padpre[0] = 0;
-  for (int e = 0; e < E_loc; ++e)
-    tb.padpre[e + 1] = tb.padpre[e] + static_cast<int>(ep_align(tb.cnt_e[e], A) - tb.cnt_e[e]);
+JE_DEVICE int align32(int x, int A) { return A == 1 ? x : (x + A - 1) / A * A; }
+
+// Exclusive scan out[i] = sum_{j<i} v(i) for i < n by ONE warp (each lane a run of consecutive entries); returns
+// the total. Why not one thread: a serial loop over 256 experts with 64-bit divisions took ~50 us under load.
+template <typename F>
+JE_DEVICE int warp_exclusive_scan(int n, F v, int* out, int lane) {
+  const int per = (n + 31) / 32;
+  const int b = min(lane * per, n), e = min(b + per, n);
+  int sum = 0;
+  for (int i = b; i < e; ++i) sum += v(i);
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += y;
+  }
+  int run = incl - sum;
+  for (int i = b; i < e; ++i) {
+    const int x = v(i);
+    out[i] = run;
+    run += x;
+  }
+  return __shfl_sync(kFull, incl, 31);
+}
+
+// start_e (unless `with_start` is false) and the padding prefix from cnt_e: one warp.
+JE_DEVICE void build_expert_tables(const Tables& tb, int E_loc, int A, bool with_start, int lane) {
+  if (with_start) warp_exclusive_scan(E_loc, [&](int e) { return align32(tb.cnt_e[e], A); }, tb.start_e, lane);
+  const int tot = warp_exclusive_scan(E_loc, [&](int e) { return align32(tb.cnt_e[e], A) - tb.cnt_e[e]; }, tb.padpre,
+                                      lane);
+  if (lane == 0) tb.padpre[E_loc] = tot;
 }
 
 // Receiver: one token (s, t) -> non-expand row i (and its expand rows). Whole warp. Every source is own memory:
@@ -361,14 +387,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
   // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
-  if (tid == 0) {
-    unsigned long long b = ULLONG_MAX;
-    for (int c2 = 0; c2 < G; ++c2)
-      b = min(b, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
-    sh_bad = b;
-  }
+  for (int c2 = tid; c2 < G; c2 += blockDim.x)  // sh_bad holds this CTA's own; the grid's min of all
+    atomicMin(&sh_bad, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
   for (int q = tid; q < RE; q += blockDim.x) {
     int base = 0, tot = 0;
+#pragma unroll 8
     for (int c2 = 0; c2 < G; ++c2) {
       const int v = __ldcg(cta_counts + static_cast<int64_t>(c2) * RE + q);
       if (c2 < c) base += v;
@@ -488,7 +511,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         for (int s = tid; s < R; s += SW * 32) p.psum_rank[s] = tb.psum_excl[s + 1];
         if (tid == 0) *p.num_recv = tb.psum_excl[R];
         for (int e = tid; e < E_loc; e += SW * 32) {
-          const int a = static_cast<int>(ep_align(tb.cnt_e[e], p.A));
+          const int a = align32(tb.cnt_e[e], p.A);
           p.unaligned[e] = tb.cnt_e[e];
           p.group_sizes[e] = a;
           p.psum_expert[e] = p.expand ? tb.start_e[e] + tb.cnt_e[e] : tb.start_e[e] + a;
@@ -540,7 +563,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       tb.off[q] = __ldcg(ec + me * E_loc + e);
     }
     bar_sync(3, pthreads);
-    if (ptid == 0) {
+    if (ptid == 0) {  // in place, so one thread (R adds, no divisions)
       tb.psum_excl[0] = 0;
       for (int s = 0; s < R; ++s) tb.psum_excl[s + 1] += tb.psum_excl[s];
     }
@@ -554,14 +577,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       tb.cnt_e[e] = run;
     }
     bar_sync(3, pthreads);
-    if (ptid == 0) {
-      int run = 0;
-      for (int e = 0; e < E_loc; ++e) {
-        tb.start_e[e] = run;
-        run += static_cast<int>(ep_align(tb.cnt_e[e], p.A));
-      }
-      build_padpre(tb, E_loc, p.A);
-    }
+    if (ptid < 32) build_expert_tables(tb, E_loc, p.A, true, lane);
     bar_sync(3, pthreads);
   }
   bar_arrive(2, blockDim.x);
@@ -670,10 +686,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   // tables for zero padding: start[e] = align(psum_expert[e-1], A) (expand psum = start + count)
   for (int e = ptid; e < E_loc; e += pthreads) {
     tb.cnt_e[e] = p.h_unaligned[e];
-    tb.start_e[e] = e == 0 ? 0 : static_cast<int>(ep_align(p.h_psum_expert[e - 1], p.A));
+    tb.start_e[e] = e == 0 ? 0 : align32(p.h_psum_expert[e - 1], p.A);
   }
   bar_sync(3, pthreads);
-  if (ptid == 0) build_padpre(tb, E_loc, p.A);
+  if (ptid < 32) build_expert_tables(tb, E_loc, p.A, false, lane);
   bar_arrive(2, blockDim.x);
 
   int num_recv = p.h_psum_rank[R - 1];
