@@ -6,7 +6,7 @@
 // or ctx.check(). Sizes are kernel arguments (no recompilation per token count).
 //
 // Tuning knobs (environment, read per call; identical on every rank of a context):
-//   JAX_ENGRAM_EP_STAGE_WARPS   warps per CTA that push (default 8, measured on 2xH200); the other
+//   JAX_ENGRAM_EP_STAGE_WARPS   warps per CTA that push (default 6; expand combine 10: swept 4..12 on 2xH200); the other
 //                               warps of the 16 pull. Must be the same on every rank.
 #include <cuda_runtime_api.h>
 
@@ -127,7 +127,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const EpLaunch l = launch_shape(m, num_sms, 8);
+  const EpLaunch l = launch_shape(m, num_sms, 6);
   if (ep_dispatch_smem_bytes(c.R, c.E, l.stage_warps, nullptr, nullptr) < 0)
     return op_error(op, "ranks + experts = " + std::to_string(c.R + c.E) + " is too large for the layout kernel");
 
@@ -214,7 +214,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const EpLaunch l = launch_shape(m, num_sms, 8);
+  const EpLaunch l = launch_shape(m, num_sms, 6);
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
@@ -294,7 +294,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const EpLaunch l = launch_shape(m, num_sms, 8);
+  const EpLaunch l = launch_shape(m, num_sms, expand ? 10 : 6);  // expand: the expert side also sums rows
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
