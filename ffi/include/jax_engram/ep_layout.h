@@ -1,5 +1,5 @@
 // Expert-parallel (MoE dispatch / combine) layout: the one source of truth for the CPU backend and the CUDA
-// kernels. Protocol in docs/DESIGN.md ("EP dispatch / combine: pull protocol"). Everything here is plain
+// kernels. Protocols in docs/DESIGN.md ("EP dispatch / combine"): pull on CPU, push (inbox slots) on CUDA. Everything here is plain
 // arithmetic on offsets, usable on host and device; no state.
 //
 // Notation: R ranks, M = max_tokens_per_rank, N <= M local tokens, K top-k (<= 32), E experts,

@@ -1,12 +1,14 @@
 // Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu): parameter blocks and launchers.
 // Plain C++ (no device code): included by handlers/cuda_ep.cc.
 //
-// Both ops are ONE cooperative launch of `num_sms` CTAs each (see ep_common.cuh for the protocol details):
-//   dispatch: layout (counting sort, grid barrier) -> own staging half; then warp-specialised: "stage" warps copy
-//             x/scales into staging chunk by chunk and publish per-CTA progress words, "pull" warps wait for the
-//             peers' layout words, build the receive tables and pull rows as soon as the peer staged their chunk.
-//   combine:  "stage" warps write the expert-side rows into the combine staging (progress words), "pull" warps
-//             reduce the source-side tokens from the peers' staging in ascending master-position order.
+// Both ops are ONE cooperative launch of `num_sms` CTAs each (push protocol: ep_layout.h, ep_dispatch.cu,
+// ep_combine.cu), warp-specialised:
+//   dispatch: layout (counting sort, grid barrier, header to every peer); "stage" warps store the rows each token
+//             sends into the destinations' inbox slots and publish per-warp progress words there; "pull" warps wait
+//             for the peers' headers in own memory, build the receive tables and copy rows out of the own inbox.
+//   combine:  "stage" warps store the expert-side rows into the source ranks' slots (interleaved over sources,
+//             progress words), "pull" warps reduce each own token's rows from the own slots in ascending
+//             master-position order.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -103,12 +105,6 @@ struct EpCombineParams {
   int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
 };
-
-// Staging chunk (tokens / rows) for a config: small for few tokens (latency: every warp gets work), up to 32.
-inline int32_t ep_chunk(int64_t M, int64_t R, int64_t ctas) {
-  const int64_t c = M * R / (ctas * 48);
-  return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
-}
 
 // Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
 // chunks; ~4 chunks per warp so that receivers start early, 1..32 items each.

@@ -1,21 +1,16 @@
-// Device helpers shared by the CUDA EP kernels, and the CUDA-ONLY part of the EP protocol.
+// Device helpers shared by the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu), and the CUDA-only scratch words.
 //
-// CUDA-only control words (not in ep_layout.h, which both backends share): they live in the free part of the
-// workspace EP block (after EpWorkspace::kEnd, "CUDA scratch" there) and let receivers start pulling before a
-// peer finished staging. Everything in ep_layout.h is still honoured: staging halves by seq parity, the same
-// staging sections, own.<op>_seq, own.<op>_bad/_detail/_value before own.<op>_ready = seq (release), and every
-// call waits for every peer's ready >= seq before it ends (the two-halves argument of ep_layout.h).
+// The kernels run the PUSH protocol of ep_layout.h (EpInbox / EpCombineLayout slots): NVLink carries only stores,
+// every receiver polls and reads its own memory (wait_local). Everything else in ep_layout.h is honoured: halves by
+// seq parity, own.<op>_seq, own.<op>_ready = seq (release), and every call waits for every peer's ready >= seq
+// before it ends (the two-halves argument of ep_layout.h, which covers the inbox slots too).
 //
-//   layout flag [half][cta]   dispatch: = seq once CTA `cta` wrote its tokens' routing/positions (CTA 0 also
-//                             counts/exp_counts/bad) into the half (release.sys). Receivers wait for all G.
-//   progress    [half][cta]   = (seq << 32) | n once CTA `cta` staged its first n chunks of the call (dispatch:
-//                             chunk j = tokens [j*chunk, ...), staged by CTA j % G as its (j / G)-th;
-//                             combine: the same over received token rows; chunk = ep_chunk(M, R, G)). Values only grow
-//                             (seq grows), so no reset is needed.
-//   arrive / staged counters  own-memory atomicInc(G-1) counters: the last CTA to read the seq writes it back,
-//                             the last CTA to finish staging publishes ready.
-//   grid barrier, per-CTA counts and first-bad keys of the dispatch layout (own memory).
-// All ranks of a context launch the same number of CTAs (the num_sms attribute is the same in the SPMD program).
+// CUDA scratch (own memory, in the free part of the workspace EP block after EpWorkspace::kEnd):
+//   arrive / staged counters  atomicInc(G-1) counters: the last CTA to read the seq writes it back, the last CTA
+//                             to finish pushing publishes ready;
+//   grid barrier, per-CTA counts and first-bad keys of the dispatch layout.
+// All ranks of a context launch the same number of CTAs and push warps (num_sms and JAX_ENGRAM_EP_STAGE_WARPS are
+// the same in the SPMD program): the receivers derive which progress word covers a chunk from them.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -37,10 +32,7 @@ struct EpScratch {
   static constexpr uint64_t kDispatchStaged = kBase + 256;  // u32
   static constexpr uint64_t kCombineArrive = kBase + 384;   // u32
   static constexpr uint64_t kCombineStaged = kBase + 512;   // u32
-  static constexpr uint64_t kDispatchLayoutFlag = kBase + 4096;                        // u64[2][kEpMaxCtas]
-  static constexpr uint64_t kDispatchProgress = kDispatchLayoutFlag + 16 * kEpMaxCtas;  // u64[2][kEpMaxCtas]
-  static constexpr uint64_t kCombineProgress = kDispatchProgress + 16 * kEpMaxCtas;     // u64[2][kEpMaxCtas]
-  static constexpr uint64_t kCtaBad = kCombineProgress + 16 * kEpMaxCtas;               // u64[kEpMaxCtas]
+  static constexpr uint64_t kCtaBad = kBase + 4096;                                     // u64[kEpMaxCtas]
   static constexpr uint64_t kCtaCounts = align_up(kCtaBad + 8 * kEpMaxCtas, 4096);      // i32[G][R+E]
   static constexpr uint64_t kEnd = kCtaCounts + 4ull * kEpMaxCtas * (kMaxRanks + kEpMaxExperts);
 };
@@ -171,57 +163,6 @@ JE_DEVICE bool wait_local(const uint64_t* p, uint64_t target, const EpWindow& w,
   }
   (void)cuda::ld_acquire_sys(p);
   return true;
-}
-
-// Per-CTA cache of the progress words seen so far (shared memory, index peer * G + cta, kProgressCache entries):
-// staging runs ahead of the pulls, so most waits are answered here instead of by a remote NVLink round trip.
-// A hit is ordered after the acquire that filled it (fence.cta on both sides of the relaxed shared accesses).
-inline constexpr int kProgressCache = 512;
-
-JE_DEVICE void progress_cache_init(unsigned long long* cache) {
-  for (int i = threadIdx.x; i < kProgressCache; i += blockDim.x) cache[i] = 0ull;
-}
-
-// Bounded wait by ONE thread for *p >= target through the cache slot `slot` (nullptr: no cache). Records a
-// timeout against `peer` like wait_at_least; returns false on timeout / abort.
-JE_DEVICE bool wait_progress(const uint64_t* p, uint64_t target, unsigned long long* slot, const EpWindow& w,
-                             int32_t op, int32_t peer) {
-  if (slot && *reinterpret_cast<volatile unsigned long long*>(slot) >= target) {
-    __threadfence_block();
-    return true;
-  }
-  const uint64_t start = cuda::globaltimer_ns();
-  uint64_t observed = 0;
-  // Pre-spin with relaxed (volatile) loads and a short __nanosleep backoff before the acquiring poll. Why:
-  // hundreds of pull warps spinning with ld.acquire.sys on the same few progress lines of a peer (every poll an
-  // NVLink round trip plus an L1 invalidation on the polling SM) slow down the very stage warps / stores they
-  // wait for (2 ranks x 24-32 CTAs x 12 pull warps); the backoff keeps the pollers off the link. The final
-  // poll_at_least still performs the acquire (progress words only grow, so it returns at once).
-  {
-    unsigned ns = 32;
-    while (ld_volatile_u64(p) < target) {
-      if (cuda::globaltimer_ns() - start > cuda::kErrorPollIntervalNs) break;  // fall back to the bounded poll
-      __nanosleep(ns);
-      ns = ns < 512 ? ns * 2 : 512;
-    }
-  }
-  const cuda::WaitResult r = cuda::poll_at_least(p, target, start, w.timeout_ns, w.err, &observed);
-  if (r == cuda::WaitResult::kOk) {
-    if (slot) {
-      __threadfence_block();
-      atomicMax(slot, static_cast<unsigned long long>(observed));
-    }
-    return true;
-  }
-  if (r == cuda::WaitResult::kTimeout)
-    cuda::record_error_device(w.err, kErrTimeout, op, w.rank, peer, static_cast<int64_t>(target),
-                              static_cast<int64_t>(observed), static_cast<int64_t>(cuda::globaltimer_ns() - start), 0);
-  return false;
-}
-
-JE_DEVICE unsigned long long* progress_slot(unsigned long long* cache, int peer, int cta) {
-  const int i = peer * static_cast<int>(gridDim.x) + cta;
-  return i < kProgressCache ? cache + i : nullptr;
 }
 
 // ------------------------------------------------------------------------------------------------------------
