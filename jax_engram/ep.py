@@ -75,7 +75,7 @@ _INBOX_WARPS = 16  # kEpInboxWarps
 
 
 def _inbox_bytes(R: int, M: int, K: int, E: int, x_row: int, sf_row: int) -> int:
-    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS + 8 * _INBOX_CTAS, _ALIGN)  # ctrl, progress, pos_ready
+    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS, _ALIGN)  # ctrl + progress
     off = _align(off + 4 * R, _ALIGN)           # counts
     off = _align(off + 4 * E, _ALIGN)           # exp_counts
     off = _align(off + 4 * M, _ALIGN)           # pos

@@ -128,10 +128,7 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 //   ctrl        uint64 flag (= seq once the header below is valid), bad (= seq if the source's input is bad),
 //               bad_detail, bad_value, n (the source's N), then progress[kEpInboxCtas][kEpInboxWarps]:
 //               progress[c][w] = (seq << 32) | n once stage warp w of source CTA c pushed its first n chunks
-//               (release, system scope; one word per warp so that no warp waits for another one's stores);
-//               then pos_ready[kEpInboxCtas]: = seq once source CTA c pushed pos / pos_exp of its whole range
-//               (rows move while the layout runs: the x / topk / weights rows are covered by progress, the
-//               positions, which need the layout, by pos_ready)
+//               (release, system scope; one word per warp so that no warp waits for another one's stores)
 //   counts      int32[R], exp_counts int32[E]   the source's totals (header)
 //   pos         int32[M]          pos_rank_s[t, d] (or -1), for every t < N_s
 //   topk_idx, weights, pos_exp    [M, K] rows of the tokens sent to d
@@ -143,8 +140,7 @@ JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R
 struct EpInbox {
   int64_t R, M, K, E, x_row, sf_row;
   static constexpr uint64_t kFlag = 0, kBad = 8, kBadDetail = 16, kBadValue = 24, kN = 32, kProgress = 64;
-  static constexpr uint64_t kPosReady = kProgress + 8ull * kEpInboxCtas * kEpInboxWarps;  // uint64[kEpInboxCtas]
-  JE_HD uint64_t counts() const { return align_up(kPosReady + 8ull * kEpInboxCtas, kEpAlign); }
+  JE_HD uint64_t counts() const { return align_up(kProgress + 8ull * kEpInboxCtas * kEpInboxWarps, kEpAlign); }
   JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
   JE_HD uint64_t pos() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
   JE_HD uint64_t topk_idx() const { return align_up(pos() + 4 * M, kEpAlign); }

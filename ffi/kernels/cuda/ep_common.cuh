@@ -113,39 +113,6 @@ JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op) {
   return sh_ok != 0;
 }
 
-// The same grid barrier over a SUBSET of every CTA's threads (named barrier `bar` of `nthreads` threads, `leader`
-// one of them): the dispatch's layout warps run it while its push warps are already moving rows.
-JE_DEVICE bool grid_sync_part(uint8_t* ws, const EpWindow& w, int32_t op, int bar, int nthreads, bool leader) {
-  __shared__ int sh_ok_part;
-  bar_sync(bar, nthreads);
-  if (leader) {
-    unsigned* count = reinterpret_cast<unsigned*>(ws + EpScratch::kGridBar);
-    volatile unsigned* gen = reinterpret_cast<volatile unsigned*>(ws + EpScratch::kGridBar + 4);
-    const unsigned g = *gen;
-    int ok = 1;
-    __threadfence();
-    if (atomicAdd(count, 1u) == gridDim.x - 1) {
-      *reinterpret_cast<volatile unsigned*>(count) = 0;
-      __threadfence();
-      atomicAdd(const_cast<unsigned*>(gen), 1u);
-    } else {
-      const uint64_t start = cuda::globaltimer_ns();
-      while (*gen == g) {
-        if (cuda::globaltimer_ns() - start > w.timeout_ns) {
-          cuda::record_error_device(w.err, kErrTimeout, op, w.rank, w.rank, gridDim.x, *count,
-                                    cuda::globaltimer_ns() - start, -1);
-          ok = 0;
-          break;
-        }
-      }
-    }
-    __threadfence();
-    sh_ok_part = ok;
-  }
-  bar_sync(bar, nthreads);
-  return sh_ok_part != 0;
-}
-
 // Bounded wait by ONE thread for *p >= target (p may be a peer's word); records a timeout against `peer`.
 JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, int32_t op, int32_t peer) {
   SyncArgs s;  // only the fields wait_at_least reads

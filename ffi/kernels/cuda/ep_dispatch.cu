@@ -187,69 +187,39 @@ JE_DEVICE void warp_push(const uint8_t* src, unsigned mask, uint8_t* lane_dst, i
   else warp_push_v<unsigned char, 4>(src, mask, lane_dst, nbytes, lane);
 }
 
-// Sender: token t's x / scales rows (and topk / weights rows) into its slot on every peer it goes to. Whole warp.
-// Full dispatch (kCached = false): the destinations come straight from topk_idx (ids outside [0, E) are skipped:
-// such a call fails in the layout anyway), so rows move while the layout runs; pos / pos_exp follow from the layout
-// warps (push_positions). Cached: the destinations are the handle's dst_row[t, d] >= 0; weights rows only.
-template <bool kCached>
-JE_DEVICE void push_token(const EpDispatchParams& p, uint64_t hoff, int t, int lane) {
-  const int R = p.w.nranks, me = p.w.rank, K = p.K, E = p.E, E_loc = p.E / p.w.nranks;
+// Sender: token t to every peer d with dest_ok(d) (pos of d from `pos_of`). Whole warp. `meta`: also the topk /
+// pos_exp rows (full dispatch); weights rows whenever the call has weights.
+template <typename PosOf>
+JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t hoff, int t, bool meta, PosOf pos_of,
+                          int lane) {
+  const int R = p.w.nranks, me = p.w.rank, K = p.K;
   const int64_t tK = static_cast<int64_t>(t) * K;
-  int32_t id = -1;
-  int dk = -1;
-  if (!kCached && lane < K) {
-    id = p.topk[tK + lane];
-    dk = (id >= 0 && id < E) ? id / E_loc : -1;
-  }
-  const float wv = (p.weights && lane < K) ? p.weights[tK + lane] : 0.0f;
   for (int d0 = 0; d0 < R; d0 += 32) {
     const int d = d0 + lane;
-    bool sent = false;
-    if (kCached) {
-      sent = d < R && d != me && p.h_dst_row[static_cast<int64_t>(t) * R + d] >= 0;
-    } else {
-      for (int k = 0; k < K; ++k) sent |= __shfl_sync(kFull, dk, k) == d;
-      sent = sent && d < R && d != me;
+    int pos = -1;
+    Slot sl{};
+    if (d < R && d != me) {
+      pos = pos_of(d);
+      sl = peer_slot(p, hoff, me, d);
+      if (meta) sl.pos[t] = pos;
     }
-    const unsigned dm = __ballot_sync(kFull, sent);
+    const unsigned dm = __ballot_sync(kFull, pos >= 0);
     if (!dm) continue;
-    const Slot sl = sent ? peer_slot(p, hoff, me, d) : Slot{};
-    warp_push(p.x + t * p.x_bytes, dm, sent ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
-    if (p.sf_bytes) warp_push(p.sf + t * p.sf_bytes, dm, sent ? sl.sf + t * p.L.sf_row : nullptr, p.sf_bytes, lane);
+    warp_push(p.x + t * p.x_bytes, dm, pos >= 0 ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
+    if (p.sf_bytes) warp_push(p.sf + t * p.sf_bytes, dm, pos >= 0 ? sl.sf + t * p.L.sf_row : nullptr, p.sf_bytes, lane);
+    // routing rows: lane k < K of each destination in turn
+    const int32_t id = (meta && lane < K) ? own.topk[tK + lane] : -1;
+    const int32_t pe = (meta && p.expand && lane < K) ? own.pos_exp[tK + lane] : -1;
+    const float wv = (p.weights && lane < K) ? p.weights[tK + lane] : 0.0f;
     unsigned mm = dm;
     while (mm) {
       const int b = __ffs(mm) - 1;
       mm &= mm - 1;
       const Slot sb = peer_slot(p, hoff, me, d0 + b);
       if (lane < K) {
-        if (!kCached) sb.topk[tK + lane] = id;
+        if (meta) sb.topk[tK + lane] = id;
+        if (meta && p.expand) sb.pexp[tK + lane] = pe;
         if (p.weights) sb.w[tK + lane] = wv;
-      }
-    }
-  }
-}
-
-// Layout warps, after pass 2: pos[t] of every token of the range (and pos_exp rows of the tokens sent) into the
-// slot on every peer. Warp `lw` of `nlw`.
-JE_DEVICE void push_positions(const EpDispatchParams& p, const Half& own, uint64_t hoff, int t0, int te, int lw,
-                              int nlw, int lane) {
-  const int R = p.w.nranks, me = p.w.rank, K = p.K;
-  for (int t = t0 + lw; t < te; t += nlw) {
-    const int64_t tK = static_cast<int64_t>(t) * K;
-    const int32_t pe = (p.expand && lane < K) ? own.pos_exp[tK + lane] : -1;
-    for (int d0 = 0; d0 < R; d0 += 32) {
-      const int d = d0 + lane;
-      int pos = -1;
-      if (d < R && d != me) {
-        pos = own.pos_rank[static_cast<int64_t>(t) * R + d];
-        peer_slot(p, hoff, me, d).pos[t] = pos;
-      }
-      if (!p.expand) continue;
-      unsigned mm = __ballot_sync(kFull, pos >= 0);
-      while (mm) {
-        const int b = __ffs(mm) - 1;
-        mm &= mm - 1;
-        if (lane < K) peer_slot(p, hoff, me, d0 + b).pexp[tK + lane] = pe;
       }
     }
   }
@@ -355,7 +325,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
-  __shared__ int sh_abort, sh_next, sh_iabort, sh_badflag;
+  __shared__ int sh_abort, sh_next;
   __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
@@ -376,25 +346,160 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
 
-  const int PW = nwarps - SW;
-  const int CH = p.chunk;
+  // ---- 1. layout: pass 1 (counts, first bad entry) --------------------------------------------------------
+  int* cnt = reinterpret_cast<int*>(smem);
+  const int LW = p.layout_warps;
+  for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
+  __syncthreads();
   const int tpc = tokens_per_cta(M);
   const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
+  const int per_w = (t1 - t0 + LW - 1) / LW;
+  const int wa = min(t0 + warp * per_w, t1), wb = min(wa + per_w, t1);
+  if (warp < LW) {
+    int* wc = cnt + warp * RE;
+    for (int t = wa; t < min(wb, N); ++t) {
+      const int id = lane < K ? p.topk[static_cast<int64_t>(t) * K + lane] : -1;
+      const bool in_range = id >= -1 && id < E;
+      const bool valid = id >= 0 && id < E;
+      const unsigned same = __match_any_sync(kFull, valid ? id : -2 - lane);
+      const bool dup = valid && (same & lanemask_lt()) != 0;
+      const unsigned badm = __ballot_sync(kFull, !in_range || dup);
+      if (badm && lane == 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | (__ffs(badm) - 1));
+      if (valid) atomicAdd(&wc[R + id], 1);
+      const int d = valid ? id / E_loc : -1;
+      const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+      if (valid && 31 - __clz(sd) == lane) atomicAdd(&wc[d], 1);
+    }
+  }
+  __syncthreads();
+  int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
+  for (int q = tid; q < RE; q += blockDim.x) {
+    int run = 0;
+    for (int w2 = 0; w2 < LW; ++w2) {
+      const int v = cnt[w2 * RE + q];
+      cnt[w2 * RE + q] = run;
+      run += v;
+    }
+    cta_counts[static_cast<int64_t>(c) * RE + q] = run;
+  }
+  if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
+  const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch);  // internal failure: publish nothing, peers time out
+  EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
+  // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
+  for (int c2 = tid; c2 < G; c2 += blockDim.x)  // sh_bad holds this CTA's own; the grid's min of all
+    atomicMin(&sh_bad, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
+  for (int q = tid; q < RE; q += blockDim.x) {
+    int base = 0, tot = 0;
+#pragma unroll 8
+    for (int c2 = 0; c2 < G; ++c2) {
+      const int v = __ldcg(cta_counts + static_cast<int64_t>(c2) * RE + q);
+      if (c2 < c) base += v;
+      tot += v;
+    }
+    for (int w2 = 0; w2 < LW; ++w2) cnt[w2 * RE + q] += base;
+    if (c == 0) {
+      if (q < R) own.counts[q] = tot; else own.exp_counts[q - R] = tot;
+    }
+  }
+  __syncthreads();
+  const bool bad = sh_bad != ULLONG_MAX;
+  if (bad && c == 0 && tid == 0 && !iabort) {
+    const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
+    const int id = p.topk[static_cast<int64_t>(t) * K + k];
+    const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+    const int64_t detail = ep_bad_detail(t, kind);
+    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadDetail) = detail;
+    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadValue) = id;
+    __threadfence_system();
+    *reinterpret_cast<volatile uint64_t*>(ws_u64(ws, EpWorkspace::kDispatchBad)) = seq;
+    cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, id, 0, detail);
+  }
+
+  // ---- layout pass 2: positions in token order --------------------------------------------------------------
+  if (!bad && !iabort && warp < LW) {
+    int* wc = cnt + warp * RE;
+    for (int t = wa; t < wb; ++t) {
+      const int64_t tK = static_cast<int64_t>(t) * K;
+      if (t < N) {
+        const int id = lane < K ? p.topk[tK + lane] : -1;
+        const bool valid = id >= 0;
+        const int pe = valid ? atomicAdd(&wc[R + id], 1) : -1;
+        const int d = valid ? id / E_loc : -1;
+        const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+        const int pr = (valid && 31 - __clz(sd) == lane) ? atomicAdd(&wc[d], 1) : -1;
+        if (lane < K) {
+          own.topk[tK + lane] = id;
+          own.pos_exp[tK + lane] = pe;
+          if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
+        }
+        for (int d0 = 0; d0 < R; d0 += 32) {
+          const int dd = d0 + lane;
+          int v = -1;
+          for (int k = 0; k < K; ++k) {
+            const int dk = __shfl_sync(kFull, d, k);
+            const int pk = __shfl_sync(kFull, pr, k);
+            if (dk == dd && pk >= 0) v = pk;
+          }
+          if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
+        }
+      } else {
+        if (lane < K) {
+          own.topk[tK + lane] = -1;
+          own.pos_exp[tK + lane] = -1;
+        }
+        for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
+      }
+    }
+  }
+  __syncthreads();  // pass 2 of this CTA's range (and CTA 0's totals) visible to the whole CTA
+  if (c == 0 && !iabort) {  // header: totals, bad words and N into this rank's slot on every peer, then the flag
+    for (int q = tid; q < (R - 1) * RE; q += blockDim.x) {
+      const int d = (me + 1 + q / RE) % R, f = q % RE;
+      const Slot sl = peer_slot(p, hoff, me, d);
+      if (f < R) sl.counts[f] = own.counts[f]; else sl.exp_counts[f - R] = own.exp_counts[f - R];
+    }
+    for (int d = tid; d < R; d += blockDim.x) {
+      if (d == me) continue;
+      const Slot sl = peer_slot(p, hoff, me, d);
+      if (bad) {
+        const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
+        const int id = p.topk[static_cast<int64_t>(t) * K + k];
+        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadDetail)) =
+            ep_bad_detail(t, (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert);
+        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadValue)) = id;
+      }
+      *sl.ctrl(EpInbox::kBad) = bad ? seq : 0;
+      *sl.ctrl(EpInbox::kN) = static_cast<uint64_t>(N);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence_system();
+      for (int d = 0; d < R; ++d)
+        if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
+    }
+  }
+  EP_TRACE(p, sh_t0, "dispatch layout+header", tid == 0);
+
+  const int PW = nwarps - SW;
+  const int CH = p.chunk;
   if (warp < SW) {
-    // ---- 2. stage warps: push the rows of this CTA's range right away (destinations from topk_idx; the layout
-    // runs meanwhile on the other warps); chunk li by warp li % SW, a progress word per warp, no barrier ----------
-    const int te_all = min(t1, N);
-    int n = 0;
-    for (int li = warp; t0 + li * CH < te_all; li += SW) {
-      const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
-      for (int t = cb; t < ce; ++t) push_token<false>(p, hoff, t, lane);
-      publish_progress(p, hoff, seq, ++n, warp, lane);
+    // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
+    if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
+      const int te_all = min(t1, N);
+      int n = 0;
+      for (int li = warp; t0 + li * CH < te_all; li += SW) {
+        const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
+        for (int t = cb; t < ce; ++t)
+          push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
+                     lane);
+        publish_progress(p, hoff, seq, ++n, warp, lane);
+      }
     }
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
-    bar_sync(2, blockDim.x);  // layout done and receive tables built by the other warps
-    const bool iabort = sh_iabort != 0, bad = sh_badflag != 0;
+    bar_sync(1, SW * 32);
     if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
+    bar_sync(2, blockDim.x);  // receive tables built by the pull warps
     if (!sh_abort && !bad && !iabort) {
       const int te = min(t1, N);
       for (int q = tid; q < (te - t0) * R; q += SW * 32) {
@@ -423,153 +528,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     return;
   }
 
-  // ---- 1. layout warps (then pull warps): named barrier 3 over these PW warps -----------------------------------
-  const int ptid = tid - SW * 32, pthreads = PW * 32, lw = warp - SW;
-  int* cnt = reinterpret_cast<int*>(smem);
-  const int LW = min(p.layout_warps, PW);
-  for (int q = ptid; q < LW * RE; q += pthreads) cnt[q] = 0;
-  bar_sync(3, pthreads);
-  const int per_w = (t1 - t0 + LW - 1) / LW;
-  const int wa = min(t0 + lw * per_w, t1), wb = min(wa + per_w, t1);
-  if (lw < LW) {  // pass 1: counts, first bad entry
-    int* wc = cnt + lw * RE;
-    for (int t = wa; t < min(wb, N); ++t) {
-      const int id = lane < K ? p.topk[static_cast<int64_t>(t) * K + lane] : -1;
-      const bool in_range = id >= -1 && id < E;
-      const bool valid = id >= 0 && id < E;
-      const unsigned same = __match_any_sync(kFull, valid ? id : -2 - lane);
-      const bool dup = valid && (same & lanemask_lt()) != 0;
-      const unsigned badm = __ballot_sync(kFull, !in_range || dup);
-      if (badm && lane == 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | (__ffs(badm) - 1));
-      if (valid) atomicAdd(&wc[R + id], 1);
-      const int d = valid ? id / E_loc : -1;
-      const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
-      if (valid && 31 - __clz(sd) == lane) atomicAdd(&wc[d], 1);
-    }
-  }
-  bar_sync(3, pthreads);
-  int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
-  for (int q = ptid; q < RE; q += pthreads) {
-    int run = 0;
-    for (int w2 = 0; w2 < LW; ++w2) {
-      const int v = cnt[w2 * RE + q];
-      cnt[w2 * RE + q] = run;
-      run += v;
-    }
-    cta_counts[static_cast<int64_t>(c) * RE + q] = run;
-  }
-  if (ptid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
-  // internal failure: publish nothing, peers time out
-  const bool iabort = !grid_sync_part(ws, p.w, kOpEpDispatch, 3, pthreads, ptid == 0);
-  EP_TRACE(p, sh_t0, "dispatch grid_sync", ptid == 0);
-
-  // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------------
-  for (int c2 = ptid; c2 < G; c2 += pthreads)  // sh_bad holds this CTA's own; the grid's min of all
-    atomicMin(&sh_bad, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
-  for (int q = ptid; q < RE; q += pthreads) {
-    int base = 0, tot = 0;
-#pragma unroll 8
-    for (int c2 = 0; c2 < G; ++c2) {
-      const int v = __ldcg(cta_counts + static_cast<int64_t>(c2) * RE + q);
-      if (c2 < c) base += v;
-      tot += v;
-    }
-    for (int w2 = 0; w2 < LW; ++w2) cnt[w2 * RE + q] += base;
-    if (c == 0) {
-      if (q < R) own.counts[q] = tot; else own.exp_counts[q - R] = tot;
-    }
-  }
-  bar_sync(3, pthreads);
-  const bool bad = sh_bad != ULLONG_MAX;
-  if (ptid == 0) {
-    sh_iabort = iabort ? 1 : 0;
-    sh_badflag = bad ? 1 : 0;
-  }
-  if (bad && c == 0 && ptid == 0 && !iabort) {
-    const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
-    const int id = p.topk[static_cast<int64_t>(t) * K + k];
-    const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
-    const int64_t detail = ep_bad_detail(t, kind);
-    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadDetail) = detail;
-    *reinterpret_cast<volatile int64_t*>(ws + EpWorkspace::kDispatchBadValue) = id;
-    __threadfence_system();
-    *reinterpret_cast<volatile uint64_t*>(ws_u64(ws, EpWorkspace::kDispatchBad)) = seq;
-    cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, id, 0, detail);
-  }
-  if (c == 0 && !iabort) {  // header: totals, bad words and N into this rank's slot on every peer, then the flag
-    for (int q = ptid; q < (R - 1) * RE; q += pthreads) {
-      const int d = (me + 1 + q / RE) % R, f = q % RE;
-      const Slot sl = peer_slot(p, hoff, me, d);
-      if (f < R) sl.counts[f] = own.counts[f]; else sl.exp_counts[f - R] = own.exp_counts[f - R];
-    }
-    for (int d = ptid; d < R; d += pthreads) {
-      if (d == me) continue;
-      const Slot sl = peer_slot(p, hoff, me, d);
-      if (bad) {
-        const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
-        const int id = p.topk[static_cast<int64_t>(t) * K + k];
-        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadDetail)) =
-            ep_bad_detail(t, (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert);
-        *reinterpret_cast<int64_t*>(sl.ctrl(EpInbox::kBadValue)) = id;
-      }
-      *sl.ctrl(EpInbox::kBad) = bad ? seq : 0;
-      *sl.ctrl(EpInbox::kN) = static_cast<uint64_t>(N);
-    }
-    __threadfence_system();
-    bar_sync(3, pthreads);
-    if (ptid == 0)
-      for (int d = 0; d < R; ++d)
-        if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
-  }
-
-  // ---- layout pass 2: positions in token order, then pushed to the peers ----------------------------------------
-  if (!bad && !iabort) {
-    if (lw < LW) {
-      int* wc = cnt + lw * RE;
-      for (int t = wa; t < wb; ++t) {
-        const int64_t tK = static_cast<int64_t>(t) * K;
-        if (t < N) {
-          const int id = lane < K ? p.topk[tK + lane] : -1;
-          const bool valid = id >= 0;
-          const int pe = valid ? atomicAdd(&wc[R + id], 1) : -1;
-          const int d = valid ? id / E_loc : -1;
-          const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
-          const int pr = (valid && 31 - __clz(sd) == lane) ? atomicAdd(&wc[d], 1) : -1;
-          if (lane < K) {
-            own.topk[tK + lane] = id;
-            own.pos_exp[tK + lane] = pe;
-            if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
-          }
-          for (int d0 = 0; d0 < R; d0 += 32) {
-            const int dd = d0 + lane;
-            int v = -1;
-            for (int k = 0; k < K; ++k) {
-              const int dk = __shfl_sync(kFull, d, k);
-              const int pk = __shfl_sync(kFull, pr, k);
-              if (dk == dd && pk >= 0) v = pk;
-            }
-            if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
-          }
-        } else {
-          if (lane < K) {
-            own.topk[tK + lane] = -1;
-            own.pos_exp[tK + lane] = -1;
-          }
-          for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
-        }
-      }
-    }
-    bar_sync(3, pthreads);  // the whole range's positions
-    push_positions(p, own, hoff, t0, min(t1, N), lw, PW, lane);
-    __threadfence_system();
-    bar_sync(3, pthreads);
-    if (ptid == 0)
-      for (int d = 0; d < R; ++d)
-        if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kPosReady + 8ull * c), seq);
-  }
-  EP_TRACE(p, sh_t0, "dispatch layout+positions", ptid == 0);
-
   // ---- 3. pull warps ------------------------------------------------------------------------------------------------
+  const int ptid = tid - SW * 32, pthreads = PW * 32;
   bool ok = !bad && !iabort;
   if (ok) {
     for (int s = ptid; s < R; s += pthreads) {  // every peer's header (own memory)
@@ -638,8 +598,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
     const int cb = t0 + li * CH, ce = min(min(cb + CH, t1), Ns);
     if (cb >= ce) continue;
-    if (!self && (!warp_wait_local(sl.ctrl(EpInbox::kPosReady + 8ull * c), seq, p.w, kOpEpDispatch, s, lane) ||
-                  !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane)))
+    if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
     int pos = -1;
     if (lane < ce - cb) pos = self ? own.pos_rank[static_cast<int64_t>(cb + lane) * R + me] : __ldcg(sl.pos + cb + lane);
@@ -709,7 +668,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
     for (int li = warp; t0 + li * CH < te_all; li += SW) {
       const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
       for (int t = cb; t < ce; ++t)
-        push_token<true>(p, hoff, t, lane);
+        push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
+                   lane);
       publish_progress(p, hoff, seq, ++n, warp, lane);
     }
     bar_sync(1, SW * 32);
