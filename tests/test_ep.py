@@ -82,3 +82,22 @@ def test_two_gpus_one_process():
 @pytest.mark.gpu(2)
 def test_two_processes_one_gpu_each(launch):
     _assert_all_pass(launch(2, WORKER, args=("--suite", "full"), platform="cuda", timeout=900), min_checks=25)
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_staging_bytes_mirror_the_layout_header(push):
+    """The Python sizes of the EP staging regions (pull: CPU, push: CUDA) equal ep_layout.h's, over shapes that
+    hit every alignment boundary, so a region is never smaller than what the kernels address."""
+    from jax_engram import _ffi, ep
+
+    mod = _ffi.native("cpu")
+    for R in (1, 2, 3, 8):
+        for M in (1, 7, 128, 4096):
+            for K in (1, 8, 32):
+                for E in (R, 8 * R, 256 if 256 % R == 0 else 8 * R):
+                    for hb, P in ((2, 0), (256, 0), (14336, 0), (7168, 56), (100, 3)):
+                        want = mod.ep_dispatch_bytes(R, M, K, E, hb, P, push)
+                        assert ep.dispatch_staging_bytes(R, M, K, E, hb, P, push=push) == want, (R, M, K, E, hb, P)
+                    for hb in (2, 256, 14336, 100):
+                        want = mod.ep_combine_bytes(R, M, K, hb, push)
+                        assert ep.combine_staging_bytes(R, M, K, hb, push=push) == want, (R, M, K, hb)

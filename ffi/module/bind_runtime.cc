@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "handlers/common.h"
+#include "jax_engram/ep_layout.h"
 
 namespace nb = nanobind;
 
@@ -42,6 +43,15 @@ Export export_from_dict(const nb::dict& d) {
 
 void bind_runtime(nb::module_& m, const char* platform) {
   m.attr("platform") = platform;
+  // The EP staging sizes straight from ep_layout.h, so that tests can hold the Python mirror
+  // (jax_engram.ep.dispatch_staging_bytes / combine_staging_bytes) to the one source of truth.
+  m.def("ep_dispatch_bytes", [](int64_t R, int64_t M, int64_t K, int64_t E, int64_t hidden_bytes, int64_t scales,
+                                bool push) {
+    return EpDispatchLayout::make(R, M, K, E, hidden_bytes, scales, push).total_bytes();
+  });
+  m.def("ep_combine_bytes", [](int64_t R, int64_t M, int64_t K, int64_t hidden_bytes, bool push) {
+    return EpCombineLayout::make(R, M, K, hidden_bytes, push).total_bytes();
+  });
   m.def("member_create",
         [](int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,
            const std::string& label) {
