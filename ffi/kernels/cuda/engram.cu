@@ -155,26 +155,33 @@ JE_DEVICE void gather_sf(const Params& p) {
 // of the output -- with kUnroll loads in flight per lane, each vector's source row pointer shuffled from the lane
 // that resolved it. Why: the per-vector path spends ~40 integer instructions per 16-byte vector (division, id
 // load, owner lookup) and is issue-bound well below the link rate; here a vector costs a multiply-shift, two
-// shuffles and the load / store.
+// shuffles and the load / store. The ids of the NEXT batch are loaded before this batch's rows, so that the id
+// load (a dependent round trip before any row load can start) overlaps the row loads instead of preceding them.
+template <bool kFast>
+JE_DEVICE unsigned long long row_source(const Params& p, uint64_t row, int32_t g, bool checked) {
+  if (row >= p.n_rows) return 0;  // 0: zero row
+  bool oob;
+  const int64_t id = engram::resolve_id(g, p.total, p.mode, &oob);
+  if (checked && oob) atomicMin(p.status, static_cast<int32_t>(row));
+  if (id < 0) return 0;
+  const int64_t owner = div_entries<kFast>(p, id);
+  const int64_t r = id - owner * p.num_entries;
+  return __ldg(reinterpret_cast<const unsigned long long*>(p.peers) + owner) + p.offset + r * p.row_bytes;
+}
+
 template <typename V, int kLoad, bool kFast>
 JE_DEVICE void gather_rows_batched(const Params& p) {
   const int lane = threadIdx.x & 31;
   const uint64_t nwarps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
   const uint64_t gw = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const bool checked = p.mode == engram::kModeChecked;
-  for (uint64_t rb = gw * 32; rb < p.n_rows; rb += nwarps * 32) {
-    const uint64_t row = rb + lane;
-    unsigned long long src = 0;  // 0: zero row
-    if (row < p.n_rows) {
-      bool oob;
-      const int64_t id = engram::resolve_id(__ldg(p.ids + row), p.total, p.mode, &oob);
-      if (checked && oob) atomicMin(p.status, static_cast<int32_t>(row));
-      if (id >= 0) {
-        const int64_t owner = div_entries<kFast>(p, id);
-        const int64_t r = id - owner * p.num_entries;
-        src = __ldg(reinterpret_cast<const unsigned long long*>(p.peers) + owner) + p.offset + r * p.row_bytes;
-      }
-    }
+  const uint64_t step = nwarps * 32;
+  uint64_t rb = gw * 32;
+  unsigned long long src =
+      row_source<kFast>(p, rb + lane, rb + lane < p.n_rows ? __ldg(p.ids + rb + lane) : 0, checked);
+  for (; rb < p.n_rows; rb += step) {
+    const uint64_t next = rb + step + lane;
+    const int32_t g_next = next < p.n_rows ? __ldg(p.ids + next) : 0;
     const uint64_t left = p.n_rows - rb;
     const uint32_t total = static_cast<uint32_t>(left < 32 ? left : 32) * p.nvec;
     V* out = reinterpret_cast<V*>(p.out + rb * p.row_bytes);
@@ -194,6 +201,7 @@ JE_DEVICE void gather_rows_batched(const Params& p) {
         if (q < total) out[q] = v[k];
       }
     }
+    src = row_source<kFast>(p, next, g_next, checked);
   }
 }
 
@@ -225,36 +233,40 @@ __global__ void engram_check_kernel(const int32_t* status, const int32_t* ids, i
   cuda::record_error_device(err, kErrIdOutOfRange, kOpEngramFetch, rank, -1, total, ids[pos], 0, pos);
 }
 
-// Resident blocks per SM of a kernel instance (queried once; the grid never exceeds what runs at once, so the
-// grid-stride loop has no second wave).
+// Resident blocks per SM of a kernel (queried once per instance; the grid never exceeds what runs at once, so
+// the grid-stride loop has no second wave). Per kernel: the two paths use different register counts (e.g. 70 and
+// 44 for 16-byte vectors), so the batched kernel fits more blocks than the per-vector one.
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel) {
+  int b = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kThreads, 0) != cudaSuccess || b < 1) {
+    cudaGetLastError();
+    b = 2;
+  }
+  return b;
+}
 template <typename V, int kLoad>
-int resident_blocks_per_sm() {
-  static const int n = [] {
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, engram_gather_kernel<V, kLoad>, kThreads, 0) !=
-            cudaSuccess ||
-        b < 1) {
-      cudaGetLastError();
-      b = 4;
-    }
-    return b;
-  }();
-  return n;
+int resident_blocks_per_sm(bool batched) {
+  static const int plain = resident_blocks_per_sm(engram_gather_kernel<V, kLoad>);
+  static const int batch = resident_blocks_per_sm(engram_gather_batched_kernel<V, kLoad>);
+  return batched ? batch : plain;
 }
 
 template <typename V, int kLoad>
 cudaError_t launch_instance(const Params& p, uint64_t want_blocks, int sm_count, int blocks_per_sm,
                             cudaStream_t stream) {
-  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : resident_blocks_per_sm<V, kLoad>();
-  const uint64_t cap = static_cast<uint64_t>(std::max(sm_count, 1)) * per_sm;
-  const unsigned grid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(want_blocks, cap)));
-  if (want_blocks > cap && p.units > p.n_rows * p.P && p.nvec <= (1u << 20)) {
+  const uint64_t sms = static_cast<uint64_t>(std::max(sm_count, 1));
+  const auto cap = [&](bool batched) {
+    return sms * static_cast<uint64_t>(blocks_per_sm > 0 ? blocks_per_sm : resident_blocks_per_sm<V, kLoad>(batched));
+  };
+  if (want_blocks > cap(false) && p.units > p.n_rows * p.P && p.nvec <= (1u << 20)) {
     // more than one pass: the batched path (one row resolution per row instead of per vector); a warp per 32 rows
     const uint64_t warps = (p.n_rows + 31) / 32;
     const uint64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
-    const unsigned bgrid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(blocks, cap)));
+    const unsigned bgrid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(blocks, cap(true))));
     engram_gather_batched_kernel<V, kLoad><<<bgrid, kThreads, 0, stream>>>(p);
   } else {
+    const unsigned grid = static_cast<unsigned>(std::max<uint64_t>(1, std::min(want_blocks, cap(false))));
     engram_gather_kernel<V, kLoad><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
