@@ -231,11 +231,7 @@ def _ffi_token(token, ctx):
     if token.shape != ():
         raise ValueError(f"token must be a scalar (the token returned by a previous jax_engram op), got "
                          f"shape {token.shape}")
-    return _varying(token.astype(jnp.int32), ctx)
-
-
-def _pub_token(tok_i32):
-    return tok_i32.astype(jnp.float32)
+    return _varying(token.astype(jnp.float32), ctx)
 
 
 def _empty(shape, dtype, like):
@@ -282,7 +278,7 @@ def _dispatch_raw(cfg: _Config, zero_padding: bool, x, w, sf, topk_idx, token):
         _call.like(x, (N, R), i32),                                       # dst_row
         _call.like(x, (), i32),                                           # num_recv_tokens
         _call.like(x, (E_loc,), i32),                                     # group_sizes
-        _call.like(x, (), i32),                                           # token_out
+        _call.like(x, (), token.dtype),                                   # token_out
     ]
     return _call.call(ctx, "jax_engram_ep_dispatch", results, x, sf, topk_idx, w, token,
                       alloc_id=region.alloc_id, offset=region.offset, expert_alignment=cfg.expert_alignment,
@@ -300,7 +296,7 @@ def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psu
         _call.like(x, (rows, H)),
         _call.like(x, (rows, P), sf.dtype),
         _call.like(x, ((rows,) if cfg.expand else (rt, K)) if has_w else (0,), jnp.float32),
-        _call.like(x, (), jnp.int32),
+        _call.like(x, (), token.dtype),
     ]
     return _call.call(cfg.ctx, "jax_engram_ep_dispatch_cached", results, x, sf, w, meta, psum_rank, psum_expert,
                       unaligned, dst_row, token, alloc_id=region.alloc_id, offset=region.offset,
@@ -315,7 +311,7 @@ def _combine_raw(cfg: _Config, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
     results = [
         _call.like(y, (N, H)),
         _call.like(y, (N, K if has_w else 0), jnp.float32),
-        _call.like(y, (), jnp.int32),
+        _call.like(y, (), token.dtype),
     ]
     return _call.call(cfg.ctx, "jax_engram_ep_combine", results, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
                       token, alloc_id=region.alloc_id, offset=region.offset, **cfg.attrs())
@@ -336,18 +332,18 @@ def _valid_rows(cfg: _Config, num_recv, psum_expert, unaligned):
 # Operands after the static ones: x, w ([N,K] or [N,0]), sf ([N,P]), routing (tuple of int arrays), token (f32).
 # routing = (topk_idx,) for a dispatch, (meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx) cached.
 def _dispatch_fwd_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
-    tok = token.astype(jnp.int32)
+    tok = token
     if not cached:
         (topk_idx,) = routing
         outs = _dispatch_raw(cfg, zero_padding, x, w, sf, topk_idx, tok)
         recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, gsz, t = outs
         res = (meta, dst_row, topk_idx, psum_rank)
         return (recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, gsz,
-                _pub_token(t)), res
+                t), res
     meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx = routing
     recv_x, recv_sf, recv_w, t = _cached_raw(cfg, zero_padding, x, w, sf, meta, psum_rank, psum_expert, unaligned,
                                              dst_row, tok)
-    return (recv_x, recv_sf, recv_w, _pub_token(t)), (meta, dst_row, topk_idx, psum_rank)
+    return (recv_x, recv_sf, recv_w, t), (meta, dst_row, topk_idx, psum_rank)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -386,7 +382,7 @@ def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
         gw = _empty((0,), jnp.float32, cfg.ctx)
     nob = _empty((0, y.shape[1]), y.dtype, cfg.ctx)
     dx, dw, t = _combine_raw(cfg, y, gw, nob, nob, meta, dst_row, topk_idx, psum_rank,
-                             _varying(g_tok.astype(jnp.int32), cfg.ctx))
+                             _varying(g_tok.astype(jnp.float32), cfg.ctx))
     dx = None if _is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
     dw = dw if has_w else None
     routing_ct = tuple(None for _ in routing)
@@ -403,8 +399,8 @@ def _combine_fwd_impl(cfg, y, w, biases, harr, token):
     meta, dst_row, topk_idx, psum_rank, _, _, _ = harr
     nob = _empty((0, y.shape[1]), y.dtype, cfg.ctx)
     b = list(biases) + [nob] * (2 - len(biases))
-    cx, cw, t = _combine_raw(cfg, y, w, b[0], b[1], meta, dst_row, topk_idx, psum_rank, token.astype(jnp.int32))
-    return cx, cw, _pub_token(t)
+    cx, cw, t = _combine_raw(cfg, y, w, b[0], b[1], meta, dst_row, topk_idx, psum_rank, token)
+    return cx, cw, t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -428,7 +424,7 @@ def _combine_bwd(cfg, saved, g):
           else _empty((N, 0), jnp.float32, cfg.ctx))
     nosf = _empty((N, 0), jnp.float32, cfg.ctx)
     dy, _, dw, t = _cached_raw(cfg, cfg.expand, g_x, gw, nosf, meta, psum_rank, psum_expert, unaligned, dst_row,
-                               _varying(g_tok.astype(jnp.int32), cfg.ctx))
+                               _varying(g_tok.astype(jnp.float32), cfg.ctx))
     valid = _valid_rows(cfg, psum_rank[-1], psum_expert, unaligned)
     dy = jnp.where(valid[:, None], dy, jnp.zeros((), dy.dtype))
     if has_w:
@@ -557,7 +553,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     sf = _varying(x_scales, ctx) if x_scales is not None else _empty((N, 0), jnp.float32, ctx)
     if token is None and handle is not None:
         token = handle.token
-    tok = _pub_token(_ffi_token(token, ctx))
+    tok = _ffi_token(token, ctx)
 
     if handle is None:
         topk_idx = _varying(topk_idx.astype(jnp.int32), ctx)
@@ -645,7 +641,7 @@ def combine(y, handle: EPHandle, *, topk_weights=None, bias=None, token=None, re
     harr = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
             h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,
             h.recv_topk_idx if h.recv_topk_idx is not None else _empty((0, K), jnp.int32, ctx))
-    tok = _pub_token(_ffi_token(h.token if token is None else token, ctx))
+    tok = _ffi_token(h.token if token is None else token, ctx)
     cx, cw, t = _combine_p(cfg, _varying(y, ctx), w, tuple(checked), harr, tok)
     out = (cx, cw if topk_weights is not None else None)
     return out + (t,) if return_token else out

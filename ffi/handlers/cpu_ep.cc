@@ -23,8 +23,9 @@ ffi::Error finish(MemberScope& s, int64_t num_experts) {
 }
 
 ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
-  JE_CHECK(check(op, "token", token, {}, {DT::S32}));
-  JE_CHECK(check(op, "token_out", token_out, {}, {DT::S32}));
+  // float32 (what the Python layer passes: no convert kernel between chained ops) or int32; copied bit for bit
+  JE_CHECK(check(op, "token", token, {}, {DT::F32, DT::S32}));
+  JE_CHECK(check(op, "token_out", token_out, {}, {token.element_type()}));
   std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
   return ffi::Error::Success();
 }

@@ -27,9 +27,11 @@ namespace {
 using namespace validate;
 
 ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
-  JE_CHECK(check(op, "token", token, {}, {DT::S32}));
-  JE_CHECK(check(op, "token_out", token_out, {}, {DT::S32}));
-  return ffi::Error::Success();  // the kernel copies it (CTA 0)
+  // float32 (what the Python layer passes: no convert kernel between chained ops) or int32; the kernel copies
+  // its 4 bytes (CTA 0)
+  JE_CHECK(check(op, "token", token, {}, {DT::F32, DT::S32}));
+  JE_CHECK(check(op, "token_out", token_out, {}, {token.element_type()}));
+  return ffi::Error::Success();
 }
 
 
