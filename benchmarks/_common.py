@@ -9,7 +9,8 @@ Timing rules (see METHOD.md of the device workplace):
   * warm up first (compilation, NCCL communicator creation and autotuning stay out of the numbers);
   * report the median (and p10/p90) of many samples, never a single run;
   * for us-scale ops, per-call host dispatch (~10-50 us) dominates: use ``time_loop``, which runs
-    the op ``n`` times inside one jitted ``lax.fori_loop`` and divides;
+    the op ``n`` times inside one jitted ``lax.fori_loop`` and divides, or ``time_per_call``, which
+    takes the slope between two loop lengths (removes the program's fixed overhead exactly);
   * if the inputs fit in L2 (50 MiB on H200), rotate among several input sets (``rotate``).
 
 Imports of this module never touch a device; only the functions do.
@@ -31,7 +32,7 @@ import jax
 from jax import lax
 
 __all__ = [
-    "time_fn", "time_loop", "rotate", "rotations_for_cache", "Table", "print_table", "write_json",
+    "time_fn", "time_loop", "time_per_call", "rotate", "rotations_for_cache", "Table", "print_table", "write_json",
     "config_line", "env_info", "make_ep_mesh", "gbps", "mpps", "fmt_value", "H200_L2_BYTES",
 ]
 
@@ -110,6 +111,39 @@ def time_loop(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: 
     res = time_fn(looped, carry, warmup=warmup, iters=iters, inner=n)
     res["n"] = n
     return res
+
+
+def time_per_call(make: Callable[[int], Callable], args: tuple, n1: int, n2: int, *, warmup: int = 2,
+                  iters: int = 10) -> dict:
+    """Per-call device time of an op from the slope of two loop lengths: ``make(n)`` returns a jitted function
+    of ``args`` that runs the op ``n`` times back to back (a ``lax.fori_loop``, calls chained by a data
+    dependency); per call = (T(n2) - T(n1)) / (n2 - n1), each T the median of ``iters`` host-timed runs.
+
+    Why a slope: one jitted program on several GPUs costs ~0.5-1 ms of fixed overhead (host dispatch, the
+    program's first kernel, the final synchronisation) that a loop of n calls divides by n only partly (at
+    n = 20 it added ~40-50 us to a 270 us op); the difference of two lengths removes it exactly. Samples of the
+    two lengths alternate, so slow drift hits both.
+
+    Returns ``dict(median_us (per call), n1, n2, t1_us, t2_us, per_call_us_n2)``: ``per_call_us_n2`` is the old
+    estimate T(n2) / n2 (fixed overhead included), for comparison.
+    """
+    n1, n2 = int(n1), int(n2)
+    if not 1 <= n1 < n2:
+        raise ValueError(f"need 1 <= n1 < n2, got {n1}, {n2}")
+    f1, f2 = make(n1), make(n2)
+    for _ in range(max(int(warmup), 1)):
+        jax.block_until_ready(f1(*args))
+        jax.block_until_ready(f2(*args))
+    s1, s2 = [], []
+    for _ in range(int(iters)):
+        for f, s in ((f1, s1), (f2, s2)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            s.append((time.perf_counter() - t0) * 1e6)
+    t1, t2 = float(np.median(s1)), float(np.median(s2))
+    slope_ok = t2 > t1  # noise larger than the work (tiny CPU smoke runs): fall back to T(n2) / n2
+    return dict(median_us=(t2 - t1) / (n2 - n1) if slope_ok else t2 / n2, slope_ok=slope_ok, n1=n1, n2=n2,
+                t1_us=t1, t2_us=t2, per_call_us_n2=t2 / n2, samples_n1=s1, samples_n2=s2)
 
 
 def rotate(make_inputs: Callable[[int], Any], k: int) -> list[tuple]:

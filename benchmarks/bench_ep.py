@@ -5,10 +5,13 @@ distinct experts per token), bf16 and FP8 (float8_e4m3fn x with [N, 56] float32 
 plus 128 tokens per rank for latency; an SM sweep at 4096 tokens. All in the SAME run:
 
   * ours:       jax_engram.dispatch / combine, each timed as n back-to-back calls inside ONE jitted
-                lax.fori_loop (host dispatch amortised; calls ordered by their tokens), median of `--iters`.
-                combine's loop contains one dispatch (for the handle): its time is subtracted.
+                lax.fori_loop (calls ordered by their tokens); per call = the slope between loops of n and 3n
+                calls (n = --loop; _common.time_per_call: the program's fixed ~0.5-1 ms overhead cancels, and
+                so does the one dispatch in front of the combine loop), medians of `--iters` samples.
   * baselines:  benchmarks/_baselines.py: MaxText-style sort + ragged_all_to_all, and all_to_all with
-                capacity factor 1.25 (GShard, drops) -- bf16 only, per call (they are ms-scale).
+                capacity factor 1.25 (GShard, drops) -- bf16 only, timed the same way (loops of 2 and 6 calls,
+                1 and 3 above 20 ms, each call's input made to depend on the previous output in one element);
+                the single-jitted-call times are printed and kept in the JSON too.
   * ceiling:    benchmarks/_ceilings.py p2p_copy_ceiling (copy engine, device_put GPU0 -> GPU1, one way).
 
 Bytes (per rank, averaged over ranks, from the actual routing; metadata excluded):
@@ -55,6 +58,9 @@ def _args(argv=None):
     ap.add_argument("--sms", type=int, default=0, help="num_sms of our kernels (0 = automatic: 24)")
     ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="calls per fori_loop iteration (lax.fori_loop unroll): fewer loop-control steps between "
+                         "calls; --loop must be a multiple")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--baseline-iters", type=int, default=5)
@@ -155,7 +161,7 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
     def dispatch_loop(x, tk, w, sf):
         def step(i, tok):
             return disp(x, tk, w, sf, tok).token
-        return lax.fori_loop(0, n, step, tok0(x))[None]
+        return lax.fori_loop(0, n, step, tok0(x), unroll=ARGS.unroll)[None]
 
     def combine_loop(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))
@@ -163,7 +169,7 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
 
         def step(i, tok):
             return jax_engram.combine(y, res.handle, token=tok, return_token=True)[-1]
-        return lax.fori_loop(0, n, step, res.token)[None]
+        return lax.fori_loop(0, n, step, res.token, unroll=ARGS.unroll)[None]
 
     def check(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))
@@ -196,20 +202,26 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
 
 
 def time_ours(ctx, mesh, inputs, *, N, E, expand, A, num_sms, do_check):
-    n = ARGS.loop
-    dl, cl, chk = make_ours(ctx, mesh, N=N, E=E, expand=expand, A=A, num_sms=num_sms, n=n)
+    n1, n2 = ARGS.loop, 3 * ARGS.loop
+    progs = {}
+
+    def make(n):
+        if n not in progs:
+            progs[n] = make_ours(ctx, mesh, N=N, E=E, expand=expand, A=A, num_sms=num_sms, n=n)
+        return progs[n]
+
     out = {}
     if do_check:
-        r = np.asarray(chk(*inputs).addressable_data(0))[0]
+        r = np.asarray(make(n1)[2](*inputs).addressable_data(0))[0]
         out["check"] = dict(ok=bool(r[0] == 0 and r[1] == 0), x_mismatches=int(r[0]), w_mismatches=int(r[1]),
                             num_recv_total=int(r[2]))
-    td = C.time_fn(dl, *inputs, warmup=ARGS.warmup, iters=ARGS.iters, inner=n)
-    tc = C.time_fn(cl, *inputs, warmup=ARGS.warmup, iters=ARGS.iters, inner=1)
-    comb = [(s - td["median_us"]) / n for s in tc["samples"]]   # one dispatch inside the combine loop
-    out["dispatch_us"] = td["median_us"]
-    out["dispatch_p10_us"], out["dispatch_p90_us"] = td["p10_us"], td["p90_us"]
-    out["combine_us"] = float(np.median(comb))
-    out["combine_p10_us"], out["combine_p90_us"] = float(np.percentile(comb, 10)), float(np.percentile(comb, 90))
+    # per call = slope between loops of n1 and n2 calls (the program's fixed overhead cancels; in the combine
+    # loops, so does the one dispatch that makes the handle)
+    td = C.time_per_call(lambda n: make(n)[0], inputs, n1, n2, warmup=ARGS.warmup, iters=ARGS.iters)
+    tc = C.time_per_call(lambda n: make(n)[1], inputs, n1, n2, warmup=ARGS.warmup, iters=ARGS.iters)
+    out["dispatch_us"], out["combine_us"] = td["median_us"], tc["median_us"]
+    out["dispatch_timing"] = {k: v for k, v in td.items() if not k.startswith("samples")}
+    out["combine_timing"] = {k: v for k, v in tc.items() if not k.startswith("samples")}
     return out
 
 
@@ -231,9 +243,22 @@ def time_baselines(mesh, N, H, K, E, seed):
         x, tk, w = bl.inputs
         recv, gs, handle = bl.dispatch(x, tk)
         y = jax.block_until_ready(recv)
-        td = C.time_fn(bl.dispatch, x, tk, warmup=1, iters=ARGS.baseline_iters)
-        tc = C.time_fn(bl.combine, y, handle, w, warmup=1, iters=ARGS.baseline_iters)
+        td1 = C.time_fn(bl.dispatch, x, tk, warmup=1, iters=ARGS.baseline_iters)
+        tc1 = C.time_fn(bl.combine, y, handle, w, warmup=1, iters=ARGS.baseline_iters)
+        # the same slope timing as ours: loops of n calls, each call's input updated in one element from the
+        # previous call's output (a data dependency, so that XLA cannot hoist the call out of the loop)
+        def chain(a, out):  # a with element 0 replaced by out's element 0
+            v = out.reshape(-1)[0].astype(a.dtype)
+            return a.at[(0,) * a.ndim].set(v, out_sharding=jax.typeof(a).sharding)
+        d_loop = lambda n: jax.jit(lambda x, tk: lax.fori_loop(  # noqa: E731
+            0, n, lambda i, x: chain(x, bl.dispatch(x, tk)[0]), x))
+        c_loop = lambda n: jax.jit(lambda y, h, w: lax.fori_loop(  # noqa: E731
+            0, n, lambda i, y: chain(y, bl.combine(y, h, w)), y))
+        n1, n2 = (1, 3) if td1["median_us"] > 20000 else (2, 6)
+        td = C.time_per_call(d_loop, (x, tk), n1, n2, warmup=1, iters=ARGS.baseline_iters)
+        tc = C.time_per_call(c_loop, (y, handle, w), n1, n2, warmup=1, iters=ARGS.baseline_iters)
         r = dict(name=bl.name, supported=True, dispatch_us=td["median_us"], combine_us=tc["median_us"],
+                 dispatch_us_single_call=td1["median_us"], combine_us_single_call=tc1["median_us"],
                  meta=bl.meta)
         if SINGLE and N <= 256 and not ARGS.no_check:
             try:
@@ -285,7 +310,9 @@ def main():
                 cfgs = f"tokens={N} hidden={H} topk={K} experts={E} dtype=bf16 ranks={R}"
                 if b.get("supported"):
                     log(f"config: {cfgs} | baseline {b['name']}: dispatch {b['dispatch_us']:.1f} us, combine "
-                        f"{b['combine_us']:.1f} us" + (f", check {b['check']}" if "check" in b else ""))
+                        f"{b['combine_us']:.1f} us per call in a loop (single jitted call: "
+                        f"{b['dispatch_us_single_call']:.1f} / {b['combine_us_single_call']:.1f} us)"
+                        + (f", check {b['check']}" if "check" in b else ""))
                 else:
                     log(f"config: {cfgs} | baseline {k}: n/a ({b.get('reason')})")
             on_gpu = platform in ("gpu", "cuda")
