@@ -1,7 +1,10 @@
 """Phase trace of the CUDA EP kernels (diagnosis): dispatch -> combine a few times with JAX_ENGRAM_EP_TRACE=1, so
 CTA 0 and the last CTA of every rank printf when each phase ends (µs since the kernel started on that GPU).
 
-    python tools/ep_trace.py [tokens] [nonexpand|expand] [calls]
+    python tools/ep_trace.py [tokens] [nonexpand|expand] [calls] [loop]
+
+loop > 0: each call is ONE jitted program of `loop` dispatches and then `loop` combines back to back (a fori_loop,
+as the benchmark times them), so the "start" times show the gap between consecutive kernels.
 """
 import os
 import sys
@@ -17,6 +20,7 @@ import jax_engram as je  # noqa: E402
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 expand = len(sys.argv) > 2 and sys.argv[2] == "expand"
 calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+loop = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 H, K, E = 7168, 8, 256
 devs = jax.devices()[:2]
 R = len(devs)
@@ -34,11 +38,23 @@ def f(x, tk):
     return out[None]
 
 
-g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
+def f_loop(x, tk):
+    xb = x[0].astype(jnp.bfloat16)
+    kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand)
+    tok0 = jax.lax.pcast(jnp.zeros((), jnp.float32), "ep", to="varying")
+    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.dispatch(xb, tk[0], token=t, **kw).token, tok0)
+    res = je.dispatch(xb, tk[0], token=tok, **kw)
+    y = res.recv_x
+    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.combine(y, res.handle, token=t, return_token=True)[-1],
+                            res.token)
+    return tok[None]
+
+
+g = jax.jit(jax.shard_map(f_loop if loop > 0 else f, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
 xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
 ts = jax.device_put(tk, NamedSharding(mesh, P("ep")))
 for i in range(calls):
-    print(f"--- call {i} tokens={M} expand={expand}", flush=True)
+    print(f"--- call {i} tokens={M} expand={expand} loop={loop}", flush=True)
     g(xs, ts).block_until_ready()
     sys.stdout.flush()
 ctx.close()

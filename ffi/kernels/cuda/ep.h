@@ -75,10 +75,11 @@ struct EpDispatchParams {
   int32_t* group_sizes = nullptr;  // [E_loc]
   int32_t* token_out = nullptr;
   // launch shape (filled by the launcher)
-  int32_t chunk = 8;         // tokens per push chunk (same on every rank: from M, the CTA and stage warp counts)
+  int32_t chunk = 8;         // push chunks per CTA range (ep_dispatch_chunks; same on every rank: from M, G, SW)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE: CTA 0 and G-1 printf their phase times (diagnosis only)
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
+  int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
 };
 
 enum class EpDtype : int { kBF16 = 0, kF32 = 1 };
@@ -104,6 +105,7 @@ struct EpCombineParams {
   int32_t* token_out = nullptr;
   int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
+  int32_t reduce_slots = 8;  // cp.async ring depth of the row sums (4, 8, 12; 0 = register loads)
 };
 
 // Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
@@ -112,6 +114,38 @@ inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
   const int64_t q = 4 * stage_warps;
   const int64_t c = (per_cta + q - 1) / q;
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
+}
+
+// Diagnosis / experiment knobs, read once from the environment (host):
+//   JAX_ENGRAM_EP_TRACE         1: one printf line per kernel with its span; 2: also the phase times of CTA 0 and
+//                               the last CTA (tools/ep_trace.py)
+//   JAX_ENGRAM_EP_COOPERATIVE   0: launch without the cooperative attribute (the grid is at most one CTA per SM
+//                               and co-resident anyway on an otherwise idle GPU); default 1
+//   JAX_ENGRAM_EP_REDUCE_SLOTS  ring depth of combine's row sums: 4, 8 (default) or 12 KB of loads in flight per
+//                               warp; 0 = the register version
+int ep_trace_level();
+bool ep_cooperative_launch();
+int ep_reduce_slots();
+
+// Dispatch push chunks per CTA: the CTA's token range is cut into this many chunks of (almost) equal size (sizes
+// differ by at most one token: ep_chunk_begin), dealt round-robin to the stage warps, so every stage warp pushes
+// the same number of tokens give or take one per chunk (a fixed chunk size left some warps one chunk more, up to
+// a third more data, and the CTA waits for its slowest warp). A multiple of stage_warps; ~4 chunks per warp for
+// large ranges (receivers start early), at most 32 tokens per chunk (a chunk's positions are read one per lane).
+inline int32_t ep_dispatch_chunks(int64_t per_cta, int64_t stage_warps) {
+  int64_t m = (per_cta + 8 * stage_warps - 1) / (8 * stage_warps);
+  m = m < 1 ? 1 : (m > 4 ? 4 : m);
+  const int64_t m32 = (per_cta + 32 * stage_warps - 1) / (32 * stage_warps);
+  if (m32 > m) m = m32;
+  return static_cast<int32_t>(m * stage_warps);
+}
+// First token of chunk li of the range [t0, t0 + len) cut into nch chunks (li = nch: the range's end).
+JE_HD int ep_chunk_begin(int t0, int len, int nch, int li) {
+  return t0 + static_cast<int>(static_cast<int64_t>(li) * len / nch);
+}
+// The chunk holding token t of that range (t0 <= t < t0 + len): the largest li with ep_chunk_begin(li) <= t.
+JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
+  return static_cast<int>((static_cast<int64_t>(t - t0 + 1) * nch + len - 1) / len) - 1;
 }
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.

@@ -6,15 +6,17 @@
 //   stage warps (expert side): received rows i < psum_rank[R-1] in chunks of `chunk` rows (chunk j on CTA j % G):
 //     row i came from (s, t) = divmod(meta[i, 0], M); its value -- non-expand y[i] as is; expand the fp32 sum over
 //     valid local k ascending of y[meta[i, 2+k]] rounded once (one valid k: copied, none: zeros) -- and its weights
-//     row are STORED into slot `me` of rank s at row t (NVLink stores; own memory for s == me). After each chunk
-//     progress[c] = (seq << 32) | chunks done in slot `me` of every rank; the last CTA publishes own.combine_ready;
-//     CTA 0 then waits for every peer's ready >= seq and fails on a peer's bad word.
-//   pull warps (source side, own memory only): own tokens t (chunks of `chunk` tokens, chunk j on CTA j % G,
-//     tokens spread over the pull warps): the master lanes of t's top-k (highest k per dest rank) in ascending lane
+//     row are STORED into slot `me` of rank s at row t (NVLink stores; own memory for s == me, expand only: a
+//     non-expand own row is read by the source side straight from y, so it is not copied). After each chunk
+//     progress[c] = (seq << 32) | chunks done in slot `me` of every rank; the last CTA publishes own.combine_ready.
+//     Then the stage warps join the source side's reduction; CTA 0 finally waits for every peer's ready >= seq and
+//     fails on a peer's bad word.
+//   pull warps (source side, own memory and y only): own tokens t (chunks of `chunk` tokens, chunk j on CTA j % G,
+//     tokens handed out dynamically): the master lanes of t's top-k (highest k per dest rank) in ascending lane
 //     order ARE the dest ranks in ascending master position; each master lane waits for progress of its rank's
-//     slot on the chunk of dst_row[t, d], then acc = -0 (+ bias0) (+ bias1) + slot rows in that order, one
-//     rounding. A lone row without bias is copied; no row and no bias gives +0. combined_topk_weights[t, k] = the
-//     weight k pushed by the rank owning expert k, 0 where masked.
+//     slot on the chunk of dst_row[t, d] (non-expand d == me: y[dst_row[t, me]], no wait), then acc = -0 (+ bias0)
+//     (+ bias1) + rows in that order, one rounding. A lone row without bias is copied; no row and no bias gives +0.
+//     combined_topk_weights[t, k] = the weight k of the rank owning expert k, 0 where masked.
 #include <cuda_bf16.h>
 
 #include <climits>
@@ -127,10 +129,12 @@ JE_DEVICE void warp_reduce(uint8_t* out, const uint8_t* b0, const uint8_t* b1, u
 // slice-major; kSlots - 1 items stay in flight while the oldest is added, so a warp keeps ~kSlots KB of loads
 // outstanding without holding them in registers (remote NVLink rows need that much to reach the link rate).
 inline constexpr int kRU = 2;                      // 16-byte units per lane per slot
-inline constexpr int kSlots = 8;                   // ring depth
+inline constexpr int kMaxSlots = 12;               // deepest ring (EpCombineParams::reduce_slots: 4, 8 or 12)
 inline constexpr int kSlotUnits = 32 * kRU;        // uint4 per slot (1 KB)
 inline constexpr int kMaxTerms = 36;               // 2 biases + up to 32 ranks (+ padding)
-inline constexpr int kWarpSmem = kSlots * kSlotUnits * 16 + kMaxTerms * 8;  // bytes per warp
+// Shared memory per warp for a ring depth: the ring, then the terms table. Sized by the depth in use, not the
+// deepest: every KB of shared memory is a KB less of L1 for the kernel's register spills.
+JE_HD int warp_smem_bytes(int slots) { return slots * kSlotUnits * 16 + kMaxTerms * 8; }
 
 JE_DEVICE void cp_async16(void* smem_dst, const void* gsrc) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
@@ -140,7 +144,7 @@ JE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "me
 template <int N>
 JE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <typename T>
+template <typename T, int kSlots>
 __device__ __noinline__ void warp_reduce_async(uint8_t* out, const uint8_t* const* terms, int nterms, int64_t nbytes,
                                                uint4* ring, int lane) {
   constexpr int NE = 16 / sizeof(T);
@@ -203,13 +207,13 @@ __device__ __noinline__ void warp_reduce_async(uint8_t* out, const uint8_t* cons
 // the async engine when every pointer is 16-byte aligned, else the register version.
 template <typename T>
 JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
-                        int64_t nbytes, uint4* ring, const uint8_t** terms, int lane) {
+                        int64_t nbytes, uint4* ring, const uint8_t** terms, int lane, int slots) {
   const int nb = (b0 ? 1 : 0) + (b1 ? 1 : 0);
   const bool mine = (mask >> lane) & 1u;
   const unsigned bits = static_cast<unsigned>(
       (reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(b0) | reinterpret_cast<uint64_t>(b1) |
        static_cast<uint64_t>(nbytes) | (mine ? reinterpret_cast<uint64_t>(lane_src) : 0)) & 15);
-  if (__reduce_or_sync(kFull, bits) != 0) {
+  if (__reduce_or_sync(kFull, bits) != 0 || slots == 0) {
     warp_reduce<T>(out, b0, b1, mask, lane_src, nbytes, lane);
     return;
   }
@@ -218,7 +222,10 @@ JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsi
   if (lane == 0 && b1) terms[nb - 1] = b1;
   if (mine) terms[nb + __popc(mask & lanemask_lt())] = lane_src;
   __syncwarp();
-  warp_reduce_async<T>(out, terms, nb + __popc(mask), nbytes, ring, lane);
+  const int nt = nb + __popc(mask);
+  if (slots == 4) warp_reduce_async<T, 4>(out, terms, nt, nbytes, ring, lane);
+  else if (slots == 12) warp_reduce_async<T, 12>(out, terms, nt, nbytes, ring, lane);
+  else warp_reduce_async<T, 8>(out, terms, nt, nbytes, ring, lane);
 }
 
 // Slot of expert rank d on rank s for this call's half.
@@ -243,7 +250,7 @@ template <typename T>
 __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineParams p, int SW) {
   extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
-  __shared__ int sh_next;
+  __shared__ int sh_next, sh_done, sh_base_ready;
   __shared__ uint64_t sh_t0;
   __shared__ int sh_base[kMaxRanks];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -251,20 +258,100 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R;
   uint8_t* ws = p.w.ws_own;
+  EP_TRACE_DECL;
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kCombineSeq, EpScratch::kCombineArrive);
+    trace_span_begin(p.trace, ws, sh_t0);
     sh_next = 0;
+    sh_done = 0;
+    sh_base_ready = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
   const uint64_t seq = sh_seq;
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
-  uint4* ring = reinterpret_cast<uint4*>(csmem + warp * kWarpSmem);
-  const uint8_t** terms = reinterpret_cast<const uint8_t**>(csmem + warp * kWarpSmem + kSlots * kSlotUnits * 16);
+  const int wsm = warp_smem_bytes(p.reduce_slots);
+  uint4* ring = reinterpret_cast<uint4*>(csmem + warp * wsm);
+  const uint8_t** terms = reinterpret_cast<const uint8_t**>(csmem + warp * wsm + p.reduce_slots * kSlotUnits * 16);
   const int64_t row_bytes = static_cast<int64_t>(p.H) * sizeof(T);
   const int CH = p.chunk;
   const int rows_tok = R * M;
+
+  // Source side (own memory and y only): token t's sum over its dest ranks, handed out dynamically over the pull
+  // warps and, once their pushes are done, the stage warps. False when a wait failed (abort).
+  int* base = sh_base;  // base[d]: first row of this rank's region on d (computed by the pull warps)
+  const int RS = p.expand ? R : R - 1;  // sources enumerated by the expert side's push items (see there)
+  const auto src_of = [&](int j) { return p.expand ? j : (me + 1 + j) % R; };
+  const int nch = (N + CH - 1) / CH;
+  const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
+  uint64_t tr_wait = 0, tr_work = 0, tr_tokens = 0;  // trace >= 2: where the reduction's time goes
+  auto reduce_tokens = [&]() -> bool {
+    for (;;) {
+      int it = 0;
+      if (lane == 0) it = atomicAdd(&sh_next, 1);
+      it = __shfl_sync(kFull, it, 0);
+      if (it >= nloc * CH) break;
+      const int t = (c + (it / CH) * G) * CH + it % CH;
+      if (t >= N) continue;
+      const int64_t tK = static_cast<int64_t>(t) * K;
+      const int id = lane < K ? p.topk[tK + lane] : -1;
+      const bool valid = id >= 0 && id < E;
+      const int d = valid ? id / E_loc : -1;
+      int row = valid ? p.dst_row[static_cast<int64_t>(t) * R + d] : -1;
+      if (row >= rows_tok) {
+        cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, me, me, 0, row, 0,
+                                  ep_bad_detail(t, kEpBadHandle));
+        row = -1;
+      }
+      const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
+      const bool master = valid && 31 - __clz(sd) == lane && row >= 0;
+      const unsigned mm = __ballot_sync(kFull, master);
+      int okw = 1;
+      const uint64_t tr0 = p.trace > 1 ? cuda::globaltimer_ns() : 0;
+      const bool own_row = !p.expand && d == me;  // non-expand own rank: the row is y[row] itself, nothing to wait for
+      const uint8_t* slot = master && !own_row ? combine_slot(p, hoff, me, d) : nullptr;
+      if (master && !own_row) {
+        const int q = ((row - base[d]) / CH) * RS + (p.expand ? me : (me - d - 1 + R) % R), li = q / G;
+        const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), q % G, li % SW);
+        const uint64_t target = progress_value(seq, li / SW + 1);
+        okw = wait_local(w, target, p.w, kOpEpCombine, d);
+      }
+      if (!__all_sync(kFull, okw)) return false;
+      __syncwarp();
+      const uint64_t tr1 = p.trace > 1 ? cuda::globaltimer_ns() : 0;
+      const uint8_t* src = !master ? nullptr
+                           : own_row ? p.y + static_cast<int64_t>(row) * row_bytes
+                                     : slot + p.L.slot_y() + static_cast<int64_t>(t) * p.L.y_row;
+      uint8_t* out = p.out + t * row_bytes;
+      const uint8_t* b0 = p.bias0 ? p.bias0 + t * row_bytes : nullptr;
+      const uint8_t* b1 = p.bias1 ? p.bias1 + t * row_bytes : nullptr;
+      if (p.out_w && lane < K) {  // issued before the row: consumed after it
+        float v = 0.0f;
+        if (valid && row >= 0)
+          v = !p.expand && d == me
+                  ? (p.weights ? p.weights[static_cast<int64_t>(row) * K + lane] : 0.0f)
+                  : __ldcg(reinterpret_cast<const float*>(combine_slot(p, hoff, me, d) + p.L.slot_weights()) + tK + lane);
+        p.out_w[tK + lane] = v;
+      }
+      if (!b0 && !b1 && mm == 0) {
+        warp_zero(out, 0, 0, row_bytes, lane);
+      } else if (!b0 && !b1 && __popc(mm) == 1) {  // -0.0 + v == v: a lone term is returned unchanged
+        warp_copy1(reinterpret_cast<const uint8_t*>(
+                       __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(mm) - 1)),
+                   out, row_bytes, lane);
+      } else {
+        warp_sum<T>(out, b0, b1, mm, src, row_bytes, ring, terms, lane, p.reduce_slots);
+      }
+      if (p.trace > 1) {
+        const uint64_t tr2 = cuda::globaltimer_ns();
+        tr_wait += tr1 - tr0;
+        tr_work += tr2 - tr1;
+        ++tr_tokens;
+      }
+    }
+    return true;
+  };
 
   if (warp < SW) {
     // ---- stage warps (expert side) ------------------------------------------------------------------------------
@@ -273,20 +360,24 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       if (c == 0 && tid == 0) mark_bad(p, seq, ep_bad_detail(0, kEpBadHandle), num_recv);
       num_recv = 0;
     }
-    // Items (k, s) interleaved over the sources, q = k * R + s: rows [b_s + k*CH, ...) of source s's region
-    // [b_s, b_s + cnt_s) (b_s = psum_rank[s-1]). Item q is CTA q % G's li = q / G -th, pushed by stage warp li % SW
-    // as its (li / SW)-th, and only source s is told. Why interleaved: in rank-major order every expert rank
-    // returns the rows of source 0 first, so the last source could start reducing only after all pushes ended.
+    // Items (k, j) interleaved over the enumerated sources, q = k * RS + j: rows [b_s + k*CH, ...) of source
+    // s = src_of(j)'s region [b_s, b_s + cnt_s) (b_s = psum_rank[s-1]). Item q is CTA q % G's li = q / G -th,
+    // pushed by stage warp li % SW as its (li / SW)-th, and only source s is told. Why interleaved: in rank-major
+    // order every expert rank returns the rows of source 0 first, so the last source could start reducing only
+    // after all pushes ended. Enumerated: every rank for expand (own rows are summed and copied too), the OTHER
+    // ranks for non-expand (the source side reads its own rows straight from y; enumerating them and skipping
+    // would leave every CTA with q % R == me idle when R divides G).
     int kmax = 0;
-    for (int s = 0; s < R; ++s) {
+    for (int j = 0; j < RS; ++j) {
+      const int s = src_of(j);
       const int b = s == 0 ? 0 : min(max(p.psum_rank[s - 1], 0), num_recv);
       const int e = min(max(p.psum_rank[s], b), num_recv);
       kmax = max(kmax, (e - b + CH - 1) / CH);
     }
-    const int nitems = kmax * R;
+    const int nitems = kmax * RS;
     int n = 0;
     for (int li = warp; c + li * G < nitems; li += SW) {
-      const int q = c + li * G, k = q / R, src = q % R;
+      const int q = c + li * G, k = q / RS, src = src_of(q % RS);
       const int b = src == 0 ? 0 : min(max(p.psum_rank[src - 1], 0), num_recv);
       const int e = min(max(p.psum_rank[src], b), num_recv);
       const int ib = b + k * CH, ie = min(ib + CH, e);
@@ -320,7 +411,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
                          __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(vm) - 1)),
                      dst, row_bytes, lane);
         } else {
-          warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, ring, terms, lane);
+          warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, ring, terms, lane, p.reduce_slots);
         }
         if (p.weights && lane < K) st_w[lane] = r >= 0 ? p.weights[r] : 0.0f;
       }
@@ -333,6 +424,17 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     EP_TRACE(p, sh_t0, "combine pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
+    // then help the source side reduce (its tables are ready long before the pushes end)
+    if (lane == 0) {
+      unsigned ns = 32;
+      while (*reinterpret_cast<volatile int*>(&sh_base_ready) == 0) {
+        __nanosleep(ns);
+        ns = ns < 256 ? ns * 2 : 256;
+      }
+      __threadfence_block();
+    }
+    __syncwarp();
+    reduce_tokens();
     if (c == 0) {  // a call ends only after every peer published its ready (ep_layout.h)
       for (int s = tid; s < R; s += SW * 32) {
         const uint8_t* pws = p.w.ws_peers[s];
@@ -344,12 +446,16 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       }
     }
     EP_TRACE(p, sh_t0, "combine end_wait", tid == 0);
+    trace_span_end(p.trace, ws, &sh_done, "combine", me);
+    EP_TRACE_FLUSH(p, sh_t0);
+    if (p.trace > 1 && lane == 0 && (c == 0 || c == G - 1))
+      printf("EPREDUCE rank %d cta %d warp %d (stage): %llu tokens, waiting %.1f us, reducing %.1f us\n", me, c, warp,
+             (unsigned long long)tr_tokens, tr_wait * 1e-3, tr_work * 1e-3);
     return;
   }
 
   // ---- pull warps (source side) ---------------------------------------------------------------------------------
   // base[d] = first row of this rank's region on d = min over tokens of dst_row[t, d] (pos 0 is the first token sent)
-  int* base = sh_base;
   const int ptid = tid - SW * 32, pthreads = (blockDim.x >> 5) * 32 - SW * 32;
   for (int d = ptid; d < R; d += pthreads) base[d] = INT_MAX;
   bar_sync(3, pthreads);
@@ -358,59 +464,17 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     if (v >= 0) atomicMin(&base[i % R], v);
   }
   bar_sync(3, pthreads);
-  const int nch = (N + CH - 1) / CH;
-  const int nloc = c < nch ? (nch - c + G - 1) / G : 0;
-  for (;;) {  // tokens handed out dynamically over the pull warps
-    int it = 0;
-    if (lane == 0) it = atomicAdd(&sh_next, 1);
-    it = __shfl_sync(kFull, it, 0);
-    if (it >= nloc * CH) break;
-    const int t = (c + (it / CH) * G) * CH + it % CH;
-    if (t >= N) continue;
-    const int64_t tK = static_cast<int64_t>(t) * K;
-    const int id = lane < K ? p.topk[tK + lane] : -1;
-    const bool valid = id >= 0 && id < E;
-    const int d = valid ? id / E_loc : -1;
-    int row = valid ? p.dst_row[static_cast<int64_t>(t) * R + d] : -1;
-    if (row >= rows_tok) {
-      cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, me, me, 0, row, 0,
-                                ep_bad_detail(t, kEpBadHandle));
-      row = -1;
-    }
-    const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
-    const bool master = valid && 31 - __clz(sd) == lane && row >= 0;
-    const unsigned mm = __ballot_sync(kFull, master);
-    int okw = 1;
-    const uint8_t* slot = master ? combine_slot(p, hoff, me, d) : nullptr;
-    if (master) {
-      const int q = ((row - base[d]) / CH) * R + me, li = q / G;
-      const uint64_t* w = slot_progress(const_cast<uint8_t*>(slot), q % G, li % SW);
-      const uint64_t target = progress_value(seq, li / SW + 1);
-      okw = wait_local(w, target, p.w, kOpEpCombine, d);
-    }
-    if (!__all_sync(kFull, okw)) return;
-    __syncwarp();
-    const uint8_t* src = master ? slot + p.L.slot_y() + static_cast<int64_t>(t) * p.L.y_row : nullptr;
-    uint8_t* out = p.out + t * row_bytes;
-    const uint8_t* b0 = p.bias0 ? p.bias0 + t * row_bytes : nullptr;
-    const uint8_t* b1 = p.bias1 ? p.bias1 + t * row_bytes : nullptr;
-    if (p.out_w && lane < K) {  // issued before the row: consumed after it
-      float v = 0.0f;
-      if (valid && row >= 0)
-        v = __ldcg(reinterpret_cast<const float*>(combine_slot(p, hoff, me, d) + p.L.slot_weights()) + tK + lane);
-      p.out_w[tK + lane] = v;
-    }
-    if (!b0 && !b1 && mm == 0) {
-      warp_zero(out, 0, 0, row_bytes, lane);
-    } else if (!b0 && !b1 && __popc(mm) == 1) {  // -0.0 + v == v: a lone term is returned unchanged
-      warp_copy1(reinterpret_cast<const uint8_t*>(
-                     __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(mm) - 1)),
-                 out, row_bytes, lane);
-    } else {
-      warp_sum<T>(out, b0, b1, mm, src, row_bytes, ring, terms, lane);
-    }
+  if (ptid == 0) {
+    __threadfence_block();
+    *reinterpret_cast<volatile int*>(&sh_base_ready) = 1;
   }
+  if (!reduce_tokens()) return;
   EP_TRACE(p, sh_t0, "combine reduced", lane == 0 && (warp == SW || warp == 15));
+  trace_span_end(p.trace, ws, &sh_done, "combine", me);
+  EP_TRACE_FLUSH(p, sh_t0);
+  if (p.trace > 1 && lane == 0 && (c == 0 || c == G - 1))
+    printf("EPREDUCE rank %d cta %d warp %d: %llu tokens, waiting %.1f us, reducing %.1f us\n", me, c, warp,
+           (unsigned long long)tr_tokens, tr_wait * 1e-3, tr_work * 1e-3);
 }
 
 }  // namespace
@@ -421,18 +485,19 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
     return cudaErrorInvalidValue;
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
-  p.trace = std::getenv("JAX_ENGRAM_EP_TRACE") ? 1 : 0;
+  p.trace = ep_trace_level();
+  p.reduce_slots = ep_reduce_slots();
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);
-  const int smem = (kEpThreads / 32) * ep::kWarpSmem;
+  const int smem = (kEpThreads / 32) * ep::warp_smem_bytes(p.reduce_slots);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
   int sw = l.stage_warps;
   cudaError_t e;
   if (p.dtype == EpDtype::kBF16)

@@ -32,6 +32,7 @@ struct EpScratch {
   static constexpr uint64_t kDispatchStaged = kBase + 256;  // u32
   static constexpr uint64_t kCombineArrive = kBase + 384;   // u32
   static constexpr uint64_t kCombineStaged = kBase + 512;   // u32
+  static constexpr uint64_t kTraceSpan = kBase + 1024;      // u64[8 + 2 * kTraceRing] (trace_span_end)
   static constexpr uint64_t kCtaBad = kBase + 4096;                                     // u64[kEpMaxCtas]
   static constexpr uint64_t kCtaCounts = align_up(kCtaBad + 8 * kEpMaxCtas, 4096);      // i32[G][R+E]
   static constexpr uint64_t kEnd = kCtaCounts + 4ull * kEpMaxCtas * (kMaxRanks + kEpMaxExperts);
@@ -126,13 +127,66 @@ JE_DEVICE bool wait_ge(const uint64_t* p, uint64_t target, const EpWindow& w, in
 
 JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32) | n; }
 
-// Phase trace (JAX_ENGRAM_EP_TRACE=1, diagnosis only): one printf line per event of CTA 0 and the last CTA, with
-// the time since the kernel started on this GPU.
-#define EP_TRACE(p, t0, what, cond)                                                                            \
-  do {                                                                                                         \
-    if ((p).trace && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && (cond))                              \
-      printf("EPTRACE %s seq %llu rank %d cta %d warp %d: %.1f us\n", what, (unsigned long long)0, (p).w.rank, \
-             (int)blockIdx.x, (int)(threadIdx.x >> 5), (cuda::globaltimer_ns() - (t0)) * 1e-3);                \
+// Phase trace (JAX_ENGRAM_EP_TRACE=1, diagnosis only): the threads named by `cond` of CTA 0 and the last CTA note
+// (phase, time since this CTA started) in registers and print them when their path ends (EP_TRACE_FLUSH), each
+// line with the CTA's start on the GPU's global timer (µs within the second: consecutive calls show the gap
+// between kernels). Why not printf at each phase: a printf takes microseconds and distorted the phases it timed.
+struct EpTraceLog {
+  static constexpr int kMax = 8;
+  const char* what[kMax];
+  float us[kMax];
+  int n;
+};
+#define EP_TRACE_DECL EpTraceLog ep_tr_; ep_tr_.n = 0
+// trace >= 1: the span of every kernel, from the first CTA's start to the last warp's end, kept in a ring in
+// EpScratch::kTraceSpan and printed 16 kernels at a time (a printf per kernel delayed the next kernel by ~15 us):
+// start (µs within the second of the GPU's global timer), span, and the gap since the previous kernel's end.
+// trace >= 2: the phase lines too.
+inline constexpr int kTraceRing = 16;
+JE_DEVICE void trace_span_begin(int trace, uint8_t* ws, uint64_t t0) {  // thread 0 of every CTA
+  if (trace) atomicMax(reinterpret_cast<unsigned long long*>(ws + EpScratch::kTraceSpan), ~t0);
+}
+JE_DEVICE void trace_span_end(int trace, uint8_t* ws, int* sh_done, const char* what, int rank) {  // every warp
+  if (!trace) return;
+  __syncwarp();
+  if ((threadIdx.x & 31) != 0 || atomicAdd(sh_done, 1) != static_cast<int>(blockDim.x >> 5) - 1) return;
+  // w: [0] ~min start, [1] max end, [2] CTAs done, [3] records in the ring, [4] previous end, [8..] ring
+  auto* w = reinterpret_cast<unsigned long long*>(ws + EpScratch::kTraceSpan);
+  atomicMax(w + 1, static_cast<unsigned long long>(cuda::globaltimer_ns()));
+  __threadfence();
+  if (atomicInc(reinterpret_cast<unsigned*>(w + 2), gridDim.x - 1) != gridDim.x - 1) return;
+  const uint64_t st = ~atomicAdd(w, 0ull), en = atomicAdd(w + 1, 0ull);
+  atomicExch(w, 0ull);
+  atomicExch(w + 1, 0ull);
+  const unsigned long long n = w[3];
+  w[8 + 2 * n] = st;
+  w[9 + 2 * n] = en;
+  if (n + 1 < kTraceRing) {
+    w[3] = n + 1;
+    return;
+  }
+  w[3] = 0;
+  for (int i = 0; i < kTraceRing; ++i) {
+    const uint64_t s = w[8 + 2 * i], e = w[9 + 2 * i], prev = i ? w[9 + 2 * (i - 1)] : w[4];
+    printf("EPSPAN %s rank %d: %.1f us (start %.1f, gap %.1f us)\n", what, rank, (e - s) * 1e-3,
+           (s % 1000000000ull) * 1e-3, prev && s > prev ? (s - prev) * 1e-3 : -1.0);
+  }
+  w[4] = en;
+}
+
+#define EP_TRACE(p, t0, what_, cond)                                                                          \
+  do {                                                                                                       \
+    if ((p).trace > 1 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && (cond) && ep_tr_.n < EpTraceLog::kMax) { \
+      ep_tr_.what[ep_tr_.n] = (what_);                                                                       \
+      ep_tr_.us[ep_tr_.n++] = static_cast<float>(cuda::globaltimer_ns() - (t0)) * 1e-3f;                    \
+    }                                                                                                        \
+  } while (0)
+#define EP_TRACE_FLUSH(p, t0)                                                                                \
+  do {                                                                                                       \
+    if ((p).trace > 1)                                                                                       \
+      for (int i_ = 0; i_ < ep_tr_.n; ++i_)                                                                  \
+        printf("EPTRACE %s rank %d cta %d warp %d: %.1f us (start %.1f)\n", ep_tr_.what[i_], (p).w.rank,      \
+               (int)blockIdx.x, (int)(threadIdx.x >> 5), ep_tr_.us[i_], ((t0) % 1000000000ull) * 1e-3);        \
   } while (0)
 
 // Bounded wait of ONE thread for the OWN-memory word *p >= target that a peer (or another CTA) releases: relaxed

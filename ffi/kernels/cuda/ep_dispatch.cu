@@ -8,10 +8,10 @@
 // [c*tpc, (c+1)*tpc), tpc = ceil(M/G), cut into chunks of `chunk` tokens (ep_dispatch_chunk):
 //   1. Layout (all warps): the counting sort over the CTA's range; pass 1 counts per dest rank (a token once per
 //      rank) and per expert into per-warp shared counters and finds the first bad (t, k); per-CTA totals ->
-//      scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); pass 2 walks the tokens again
-//      in order and hands out positions. Writes topk_idx, weights, pos_rank, pos_exp of the range into the own
-//      half; CTA 0 writes the totals and pushes the header (counts, exp_counts, bad words, N; then flag = seq)
-//      into its slot on every peer.
+//      scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); CTA 0 writes the totals and
+//      pushes the header (counts, exp_counts, bad words, N; then flag = seq) into its slot on every peer; pass 2
+//      walks the tokens again in order and hands out positions, writing topk_idx, weights, pos_rank, pos_exp of
+//      the range into the own half. Both passes read the range's topk rows from a shared-memory copy when it fits.
 //   2. Stage warps (sender): per chunk of the CTA's range, each token's pos for d into the slot on d, and for each
 //      d the token goes to its x / scales row and its topk / weights / pos_exp rows; then progress[c] =
 //      (seq << 32) | chunks done on every peer (release.sys). The last CTA done publishes own ready.
@@ -244,6 +244,21 @@ JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, in
   }
 }
 
+// Lanes k < K of a token (expert id, dest rank d, valid): dup = an earlier lane holds the same valid id; master =
+// the highest valid lane with this d (the lane that counts the token once for d). K shuffles rather than
+// __match_any_sync: the layout's loops walk tokens one after the other, and two match.any per token made pass 1
+// take ~10 us at 4096 tokens (171 tokens per CTA).
+JE_DEVICE void token_lanes(int id, int d, bool valid, int K, int lane, bool* dup, bool* master) {
+  bool du = false, ma = valid;
+  for (int j = 0; j < K; ++j) {
+    const int oid = __shfl_sync(kFull, id, j), od = __shfl_sync(kFull, d, j);
+    du |= valid && j < lane && oid == id;
+    ma &= !(j > lane && od == d && od >= 0);
+  }
+  *dup = du;
+  *master = ma;
+}
+
 JE_DEVICE int align32(int x, int A) { return A == 1 ? x : (x + A - 1) / A * A; }
 
 // Exclusive scan out[i] = sum_{j<i} v(i) for i < n by ONE warp (each lane a run of consecutive entries); returns
@@ -325,19 +340,22 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
-  __shared__ int sh_abort, sh_next;
+  __shared__ int sh_abort, sh_next, sh_done;
   __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R, RE = R + E;
   uint8_t* ws = p.w.ws_own;
+  EP_TRACE_DECL;
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
+    trace_span_begin(p.trace, ws, sh_t0);
     sh_bad = ULLONG_MAX;
     sh_abort = 0;
     sh_next = 0;
+    sh_done = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
@@ -350,28 +368,37 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   int* cnt = reinterpret_cast<int*>(smem);
   const int LW = p.layout_warps;
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
-  __syncthreads();
   const int tpc = tokens_per_cta(M);
   const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
+  // The range's topk rows, loaded once with every load in flight: both layout passes walk their tokens one after
+  // the other, and a global load per token made each pass a chain of round trips (~11 us at 4096 tokens).
+  int* tk_cache = p.smem_topk >= 0 ? reinterpret_cast<int*>(smem + p.smem_topk) : nullptr;
+  if (tk_cache)
+    for (int q = tid; q < (min(t1, N) - t0) * K; q += blockDim.x) tk_cache[q] = __ldg(p.topk + static_cast<int64_t>(t0) * K + q);
+  const auto topk_at = [&](int t, int k) {
+    return tk_cache ? tk_cache[(t - t0) * K + k] : p.topk[static_cast<int64_t>(t) * K + k];
+  };
+  __syncthreads();
+  EP_TRACE(p, sh_t0, "dispatch entered", tid == 0);
   const int per_w = (t1 - t0 + LW - 1) / LW;
   const int wa = min(t0 + warp * per_w, t1), wb = min(wa + per_w, t1);
   if (warp < LW) {
     int* wc = cnt + warp * RE;
     for (int t = wa; t < min(wb, N); ++t) {
-      const int id = lane < K ? p.topk[static_cast<int64_t>(t) * K + lane] : -1;
+      const int id = lane < K ? topk_at(t, lane) : -1;
       const bool in_range = id >= -1 && id < E;
       const bool valid = id >= 0 && id < E;
-      const unsigned same = __match_any_sync(kFull, valid ? id : -2 - lane);
-      const bool dup = valid && (same & lanemask_lt()) != 0;
+      const int d = valid ? id / E_loc : -1;
+      bool dup, master;
+      token_lanes(id, d, valid, K, lane, &dup, &master);
       const unsigned badm = __ballot_sync(kFull, !in_range || dup);
       if (badm && lane == 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | (__ffs(badm) - 1));
       if (valid) atomicAdd(&wc[R + id], 1);
-      const int d = valid ? id / E_loc : -1;
-      const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
-      if (valid && 31 - __clz(sd) == lane) atomicAdd(&wc[d], 1);
+      if (master) atomicAdd(&wc[d], 1);
     }
   }
   __syncthreads();
+  EP_TRACE(p, sh_t0, "dispatch pass1", tid == 0);
   int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
   for (int q = tid; q < RE; q += blockDim.x) {
     int run = 0;
@@ -416,44 +443,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, me, 0, id, 0, detail);
   }
 
-  // ---- layout pass 2: positions in token order --------------------------------------------------------------
-  if (!bad && !iabort && warp < LW) {
-    int* wc = cnt + warp * RE;
-    for (int t = wa; t < wb; ++t) {
-      const int64_t tK = static_cast<int64_t>(t) * K;
-      if (t < N) {
-        const int id = lane < K ? p.topk[tK + lane] : -1;
-        const bool valid = id >= 0;
-        const int pe = valid ? atomicAdd(&wc[R + id], 1) : -1;
-        const int d = valid ? id / E_loc : -1;
-        const unsigned sd = __match_any_sync(kFull, valid ? d : -2 - lane);
-        const int pr = (valid && 31 - __clz(sd) == lane) ? atomicAdd(&wc[d], 1) : -1;
-        if (lane < K) {
-          own.topk[tK + lane] = id;
-          own.pos_exp[tK + lane] = pe;
-          if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
-        }
-        for (int d0 = 0; d0 < R; d0 += 32) {
-          const int dd = d0 + lane;
-          int v = -1;
-          for (int k = 0; k < K; ++k) {
-            const int dk = __shfl_sync(kFull, d, k);
-            const int pk = __shfl_sync(kFull, pr, k);
-            if (dk == dd && pk >= 0) v = pk;
-          }
-          if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
-        }
-      } else {
-        if (lane < K) {
-          own.topk[tK + lane] = -1;
-          own.pos_exp[tK + lane] = -1;
-        }
-        for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
-      }
-    }
-  }
-  __syncthreads();  // pass 2 of this CTA's range (and CTA 0's totals) visible to the whole CTA
-  if (c == 0 && !iabort) {  // header: totals, bad words and N into this rank's slot on every peer, then the flag
+  // Header (CTA 0): totals, bad words and N into this rank's slot on every peer, then the flag. Before pass 2:
+  // the receivers' tables need only the totals, and pass 2 of CTA 0's range would delay them.
+  if (c == 0 && !iabort) {
     for (int q = tid; q < (R - 1) * RE; q += blockDim.x) {
       const int d = (me + 1 + q / RE) % R, f = q % RE;
       const Slot sl = peer_slot(p, hoff, me, d);
@@ -479,21 +471,61 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
     }
   }
+  // ---- layout pass 2: positions in token order --------------------------------------------------------------
+  if (!bad && !iabort && warp < LW) {
+    int* wc = cnt + warp * RE;
+    for (int t = wa; t < wb; ++t) {
+      const int64_t tK = static_cast<int64_t>(t) * K;
+      if (t < N) {
+        const int id = lane < K ? topk_at(t, lane) : -1;
+        const bool valid = id >= 0;
+        const int pe = valid ? atomicAdd(&wc[R + id], 1) : -1;
+        const int d = valid ? id / E_loc : -1;
+        bool dup, master;
+        token_lanes(id, d, valid, K, lane, &dup, &master);
+        const int pr = master ? atomicAdd(&wc[d], 1) : -1;
+        if (lane < K) {
+          own.topk[tK + lane] = id;
+          own.pos_exp[tK + lane] = pe;
+          if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
+        }
+        for (int d0 = 0; d0 < R; d0 += 32) {
+          const int dd = d0 + lane;
+          int v = -1;
+          for (int k = 0; k < K; ++k) {
+            const int dk = __shfl_sync(kFull, d, k);
+            const int pk = __shfl_sync(kFull, pr, k);
+            if (dk == dd && pk >= 0) v = pk;
+          }
+          if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
+        }
+      } else {
+        if (lane < K) {
+          own.topk[tK + lane] = -1;
+          own.pos_exp[tK + lane] = -1;
+        }
+        for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
+      }
+    }
+  }
+  __syncthreads();  // pass 2 of this CTA's range (and CTA 0's totals) visible to the whole CTA
   EP_TRACE(p, sh_t0, "dispatch layout+header", tid == 0);
 
   const int PW = nwarps - SW;
-  const int CH = p.chunk;
+  const int NCH = p.chunk, len = t1 - t0;
   if (warp < SW) {
     // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
     if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
       const int te_all = min(t1, N);
       int n = 0;
-      for (int li = warp; t0 + li * CH < te_all; li += SW) {
-        const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
+      for (int li = warp; li < NCH; li += SW) {
+        ++n;  // counts empty chunks too: the receivers wait for li / SW + 1
+        const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
+        if (cb >= ce) continue;
         for (int t = cb; t < ce; ++t)
           push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
                      lane);
-        publish_progress(p, hoff, seq, ++n, warp, lane);
+        publish_progress(p, hoff, seq, n, warp, lane);
       }
     }
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
@@ -525,6 +557,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
     }
     EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
+    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+    EP_TRACE_FLUSH(p, sh_t0);
     return;
   }
 
@@ -582,21 +616,23 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   }
   bar_arrive(2, blockDim.x);
   EP_TRACE(p, sh_t0, "dispatch tables", ptid == 0);
-  if (!ok) return;
+  if (!ok) {
+    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+    return;
+  }
 
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
-  const int nloc = (t1 - t0 + CH - 1) / CH;
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
     it = __shfl_sync(kFull, it, 0);
-    if (it >= nloc * R) break;
+    if (it >= NCH * R) break;
     const int li = it / R, q = it % R;
     const int s = (me + q) % R;
     const bool self = s == me;
     const Slot sl = self ? Slot{} : peer_slot(p, hoff, s, me);
     const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
-    const int cb = t0 + li * CH, ce = min(min(cb + CH, t1), Ns);
+    const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), Ns);
     if (cb >= ce) continue;
     if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
@@ -611,6 +647,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
   }
   EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
+  trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+  EP_TRACE_FLUSH(p, sh_t0);
 }
 
 // One received row i of a cached dispatch (source s, token t). Whole warp.
@@ -660,17 +698,19 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
   const int PW = nwarps - SW;
-  const int CH = p.chunk, tpc = tokens_per_cta(M);
+  const int NCH = p.chunk, tpc = tokens_per_cta(M);
 
-  if (warp < SW) {
-    const int t0 = min(c * tpc, N), te_all = min(t0 + tpc, N);
+  if (warp < SW) {  // the chunks of the full dispatch (ranges from M, tokens below N)
+    const int t0 = min(c * tpc, M), len = min(t0 + tpc, M) - t0, te_all = min(t0 + len, N);
     int n = 0;
-    for (int li = warp; t0 + li * CH < te_all; li += SW) {
-      const int cb = t0 + li * CH, ce = min(cb + CH, te_all);
+    for (int li = warp; li < NCH; li += SW) {
+      ++n;
+      const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
+      if (cb >= ce) continue;
       for (int t = cb; t < ce; ++t)
         push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
                    lane);
-      publish_progress(p, hoff, seq, ++n, warp, lane);
+      publish_progress(p, hoff, seq, n, warp, lane);
     }
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
@@ -717,7 +757,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       vm &= vm - 1;
       const int g = __shfl_sync(kFull, gid, b);
       const int s = g / M, t = g % M;
-      const int sc = t / tpc, sli = (t - sc * tpc) / CH;
+      const int sc = t / tpc, sli = ep_chunk_of(t, sc * tpc, min(sc * tpc + tpc, M) - sc * tpc, NCH);
       const Slot sl = s == me ? Slot{} : peer_slot(p, hoff, s, me);
       if (s != me && (s != last_s || sc != last_c || sli != last_li)) {
         if (!warp_wait_local(chunk_word(sl, sc, sli, SW), chunk_value(seq, sli, SW), p.w, kOpEpDispatch, s, lane))
@@ -749,7 +789,7 @@ cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatch
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
   int sw = l.stage_warps;
   e = cudaLaunchKernelEx(&cfg, kernel, p, sw);
   if (e != cudaSuccess) return e;
@@ -758,6 +798,31 @@ cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatch
 
 }  // namespace
 }  // namespace ep
+
+int ep_trace_level() {
+  static const int v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_TRACE");
+    return !e || !*e ? 0 : std::max(0, std::atoi(e));
+  }();
+  return v;
+}
+
+int ep_reduce_slots() {
+  static const int v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_REDUCE_SLOTS");
+    const int n = !e || !*e ? 8 : std::atoi(e);
+    return n == 0 || n == 4 || n == 12 ? n : 8;
+  }();
+  return v;
+}
+
+bool ep_cooperative_launch() {
+  static const bool v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
+    return !e || !*e || std::atoi(e) != 0;
+  }();
+  return v;
+}
 
 int64_t ep_dispatch_smem_bytes(int R, int E, int /*stage_warps*/, int* layout_warps, int* tables_offset) {
   if (R < 1 || E < R) return -1;
@@ -778,16 +843,26 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   if (smem < 0) return cudaErrorInvalidValue;
   p.layout_warps = lw;
   p.smem_tables = off;
-  p.chunk = ep_push_chunk((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
-  p.trace = std::getenv("JAX_ENGRAM_EP_TRACE") ? 1 : 0;
-  return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(smem), stream);
+  // topk cache of the CTA's token range when it fits beside the counters and tables (H100/H200: 227 KB per CTA)
+  const int64_t tpc = (p.M + l.num_ctas - 1) / l.num_ctas;
+  const int64_t cache = (smem + 15) / 16 * 16;
+  const int64_t cache_bytes = tpc * p.K * 4;
+  int64_t total = smem;
+  p.smem_topk = -1;
+  if (cache + cache_bytes <= 220 * 1024) {
+    p.smem_topk = static_cast<int32_t>(cache);
+    total = cache + cache_bytes;
+  }
+  p.chunk = ep_dispatch_chunks((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.trace = ep_trace_level();
+  return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(total), stream);
 }
 
 cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
   const int R = p.w.nranks;
   p.layout_warps = 0;
   p.smem_tables = 0;
-  p.chunk = ep_push_chunk((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.chunk = ep_dispatch_chunks((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
   return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
 }
