@@ -2,18 +2,24 @@
 // Engram kernels can be judged against what SM loads/stores and TMA bulk copies can reach with a given number of
 // SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [engram]
+//
+// "engram" runs only the Engram gather variants: half of the rows local, tables from cudaMalloc or from cuMem
+// (VMM, the way jax_engram maps its windows), rows drawn from the whole 1 GiB table or from its first 128 MiB
+// (the Engram benchmark's 524,288 rows of 256 bytes).
 //
 // Every line: engine, pattern, direction (1 = GPU0 -> GPU1 only, 2 = both at once), CTAs, GB/s per direction.
 // "write" = SM loads of local memory, stores to the peer; "read" = loads of the peer's memory, stores to local;
 // "gather256" = reads of random 256-byte rows of a 1 GiB peer table (the Engram access pattern); "scatter256" =
 // stores of local rows to random 256-byte rows of the peer; "tma_*" = cp.async.bulk through shared memory.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                   \
@@ -24,6 +30,28 @@
       std::exit(1);                                                                             \
     }                                                                                           \
   } while (0)
+
+#define CU(x)                                                                               \
+  do {                                                                                      \
+    CUresult r_ = (x);                                                                      \
+    if (r_ != CUDA_SUCCESS) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: CUresult %d\n", __FILE__, __LINE__, #x, (int)r_);     \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+// Driver entry points through the runtime (no -lcuda at link time).
+template <typename T>
+T driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
+  if (!fn || q != cudaDriverEntryPointSuccess) {
+    std::fprintf(stderr, "cannot resolve %s\n", name);
+    std::exit(1);
+  }
+  return reinterpret_cast<T>(fn);
+}
 
 constexpr int kThreads = 512;
 
@@ -72,7 +100,8 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const uint4* __restrict_
 template <bool kVolatile, bool kHalfLocal>
 __global__ void __launch_bounds__(kThreads) gather_var_kernel(const uint4* __restrict__ remote,
                                                           const uint4* __restrict__ local, uint4* __restrict__ dst,
-                                                          const uint32_t* __restrict__ idx, size_t rows) {
+                                                          const uint32_t* __restrict__ idx, size_t rows,
+                                                          uint32_t row_mask = 0xffffffffu) {
   constexpr int U = 8;
   const size_t units = rows * 16;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
@@ -84,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) gather_var_kernel(const uint4* __res
       if (q < units) {
         const size_t r = q >> 4, c = q & 15;
         const uint4* src = (kHalfLocal && (r & 1)) ? local : remote;
-        const uint4* a = src + size_t(idx[r]) * 16 + c;
+        const uint4* a = src + size_t(idx[r] & row_mask) * 16 + c;
         if (kVolatile)
           asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                        : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
@@ -172,6 +201,7 @@ struct Dev {
   uint8_t* a;  // source of transfers that start here
   uint8_t* b;  // destination of transfers that end here
   uint8_t* table;
+  uint8_t* vtable;  // the same size, from cuMem (VMM) with both GPUs granted access
   uint32_t* idx;
   cudaStream_t st;
 };
@@ -233,6 +263,53 @@ void gather256h(int dev, const Dev* d, int peer, int ctas, size_t bytes) {  // b
                                                                    (const uint4*)d[dev].table, (uint4*)d[dev].b,
                                                                    d[dev].idx, bytes / 128);
 }
+// Engram gather variants: half of the rows local; _s = rows from the first 128 MiB only; _v = cuMem tables.
+constexpr uint32_t kSmallSpan = (128u << 20) / 256 - 1;
+void gather256h_s(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  gather_var_kernel<false, true><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].table,
+                                                                   (const uint4*)d[dev].table, (uint4*)d[dev].b,
+                                                                   d[dev].idx, bytes / 128, kSmallSpan);
+}
+void gather256h_v(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  gather_var_kernel<false, true><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].vtable,
+                                                                   (const uint4*)d[dev].vtable, (uint4*)d[dev].b,
+                                                                   d[dev].idx, bytes / 128);
+}
+void gather256h_vs(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
+  gather_var_kernel<false, true><<<ctas, kThreads, 0, d[dev].st>>>((const uint4*)d[peer].vtable,
+                                                                   (const uint4*)d[dev].vtable, (uint4*)d[dev].b,
+                                                                   d[dev].idx, bytes / 128, kSmallSpan);
+}
+
+// A cuMem allocation on `dev` (minimum granularity), mapped and readable / writable by both GPUs.
+uint8_t* vmm_alloc(int dev, size_t bytes) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  static const auto granularity = driver_fn<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
+  static const auto create = driver_fn<decltype(&cuMemCreate)>("cuMemCreate");
+  static const auto reserve = driver_fn<decltype(&cuMemAddressReserve)>("cuMemAddressReserve");
+  static const auto map = driver_fn<decltype(&cuMemMap)>("cuMemMap");
+  static const auto set_access = driver_fn<decltype(&cuMemSetAccess)>("cuMemSetAccess");
+  size_t gran = 0;
+  CU(granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  bytes = (bytes + gran - 1) / gran * gran;
+  CUmemGenericAllocationHandle h;
+  CU(create(&h, bytes, &prop, 0));
+  CUdeviceptr va = 0;
+  CU(reserve(&va, bytes, 0, 0, 0));
+  CU(map(va, bytes, 0, h, 0));
+  CUmemAccessDesc acc[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    acc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc[i].location.id = i;
+    acc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  CU(set_access(va, bytes, acc, 2));
+  return reinterpret_cast<uint8_t*>(va);
+}
+
 void tma_read(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
   tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[peer].a, d[dev].b, bytes);
 }
@@ -260,6 +337,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d.idx, bytes / 256 * 4));
     CK(cudaMemset(d.a, 1 + i, bytes));
     CK(cudaMemset(d.table, 3 + i, table_bytes));
+    d.vtable = vmm_alloc(i, table_bytes);
+    CK(cudaMemset(d.vtable, 5 + i, table_bytes));
     std::vector<uint32_t> h(bytes / 256);
     uint64_t x = 0x9e3779b97f4a7c15ull + i;
     for (auto& v : h) {
@@ -272,8 +351,16 @@ int main(int argc, char** argv) {
   std::printf("probe_nvlink: %zu MiB per transfer, 2 GPUs, %d threads per CTA (SM kernels), TMA %d x %d KiB stages\n",
               mib, kThreads, kStages, kChunk / 1024);
   std::printf("%-11s %4s %5s %9s\n", "engine", "dirs", "ctas", "GB/s/dir");
-  for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
   struct P { const char* name; Launch f; };
+  if (argc > 2 && std::string(argv[2]) == "engram") {
+    const P ev[] = {{"gather256h", gather256h}, {"gather256h_s", gather256h_s}, {"gather256h_v", gather256h_v},
+                    {"gather256h_vs", gather256h_vs}};
+    for (const P& p : ev)
+      for (int dirs = 1; dirs <= 2; ++dirs)
+        for (int c : {132, 528}) std::printf("%-13s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes / 2));
+    return 0;
+  }
+  for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
   const P pats[] = {{"sm_write", sm_write}, {"sm_read", sm_read}, {"gather256", gather256}};
   const int ctas[] = {8, 16, 24, 32, 66, 132};
   for (const P& p : pats)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|engram|ep|bench|all]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|ep|probe|probe_engram|bench_engram|bench_ep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -40,6 +40,10 @@ for what in "${@:-foundation}"; do
       nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe.log" 2>&1 &&
         timeout 240 "$OUT/probe_nvlink" 256 >> "$OUT/probe.log" 2>&1
       log "probe_nvlink rc=$?"; cat "$OUT/probe.log"; rm -f "$OUT/probe_nvlink" ;;
+    probe_engram)  # the Engram gather variants only (cudaMalloc vs cuMem tables, 1 GiB vs 128 MiB of rows)
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe_engram.log" 2>&1 &&
+        timeout 120 "$OUT/probe_nvlink" 256 engram >> "$OUT/probe_engram.log" 2>&1
+      log "probe_nvlink engram rc=$?"; cat "$OUT/probe_engram.log"; rm -f "$OUT/probe_nvlink" ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;
