@@ -281,6 +281,49 @@ void gather256h_vs(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
                                                                    d[dev].idx, bytes / 128, kSmallSpan);
 }
 
+// The Engram kernel's batched structure (kernels/cuda/engram.cu gather_rows_batched) on the probe's data: a warp
+// takes 32 rows; lane i resolves row base + i once (odd rows local, as above) and the warp moves the batch's
+// 32 x 16 vectors with U loads in flight per lane, each vector's row pointer shuffled from its lane; the next
+// batch's indices are loaded first. TPB threads per CTA.
+template <int U>
+__global__ void batched_kernel(const uint8_t* __restrict__ remote, const uint8_t* __restrict__ local,
+                               uint4* __restrict__ dst, const uint32_t* __restrict__ idx, size_t rows) {
+  const int lane = threadIdx.x & 31;
+  const size_t nwarps = (static_cast<size_t>(gridDim.x) * blockDim.x) >> 5;
+  const size_t step = nwarps * 32;
+  size_t rb = ((static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 32;
+  auto source = [&](size_t r, uint32_t id) -> unsigned long long {
+    if (r >= rows) return 0;
+    return reinterpret_cast<unsigned long long>(((r & 1) ? local : remote) + size_t(id) * 256);
+  };
+  unsigned long long src = source(rb + lane, rb + lane < rows ? idx[rb + lane] : 0);
+  for (; rb < rows; rb += step) {
+    const size_t next = rb + step + lane;
+    const uint32_t id_next = next < rows ? idx[next] : 0;
+    const uint32_t total = static_cast<uint32_t>(rows - rb < 32 ? rows - rb : 32) * 16;
+    uint4* out = dst + rb * 16;
+    for (uint32_t q0 = 0; q0 < total; q0 += 32 * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const uint32_t q = q0 + k * 32 + lane, r = q >> 4;
+        const unsigned long long sp = __shfl_sync(0xffffffffu, src, r & 31);
+        v[k] = make_uint4(0, 0, 0, 0);
+        if (q < total && sp) v[k] = __ldcg(reinterpret_cast<const uint4*>(sp) + (q & 15));
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (q0 + k * 32 + lane < total) out[q0 + k * 32 + lane] = v[k];
+    }
+    src = source(next, id_next);
+  }
+}
+template <int U, int TPB>
+void batched(int dev, const Dev* d, int peer, int ctas, size_t bytes) {  // ctas = blocks per SM x 132
+  batched_kernel<U><<<ctas, TPB, 0, d[dev].st>>>(d[peer].table, d[dev].table, (uint4*)d[dev].b, d[dev].idx,
+                                                 bytes / 128);
+}
+
 // A cuMem allocation on `dev` (minimum granularity), mapped and readable / writable by both GPUs.
 uint8_t* vmm_alloc(int dev, size_t bytes) {
   CUmemAllocationProp prop{};
@@ -358,6 +401,11 @@ int main(int argc, char** argv) {
     for (const P& p : ev)
       for (int dirs = 1; dirs <= 2; ++dirs)
         for (int c : {132, 528}) std::printf("%-13s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes / 2));
+    // the Engram kernel's structure: U loads in flight per lane, TPB threads per CTA, CTAs = blocks per SM x 132
+    const P bv[] = {{"batched8x256", batched<8, 256>}, {"batched16x256", batched<16, 256>},
+                    {"batched8x512", batched<8, 512>}, {"batched4x256", batched<4, 256>}};
+    for (const P& p : bv)
+      for (int c : {264, 528, 1056}) std::printf("%-13s %4d %5d %9.1f\n", p.name, 2, c, run(p.f, 2, c, bytes / 2));
     return 0;
   }
   for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
