@@ -225,3 +225,30 @@ def test_moe_baselines(runs, ndev):
         assert tr["physical_bytes"] == 0 and tr["expanded_remote_bytes"] == 0
     else:
         assert 0 < tr["physical_bytes"] <= tr["logical_bytes"] <= tr["expanded_bytes"]
+
+
+def test_time_per_call_removes_the_fixed_overhead(monkeypatch):
+    """time_per_call's slope cancels a per-program fixed cost exactly; T(n2)/n2 does not; a non-positive slope
+    (noise larger than the work) falls back to T(n2)/n2 and says so."""
+    sys.path.insert(0, BENCH)
+    import _common as C
+
+    clock = [0.0]
+    monkeypatch.setattr(C.time, "perf_counter", lambda: clock[0])
+
+    def make(fixed_s, per_s):
+        def m(n):
+            def run(*_):
+                clock[0] += fixed_s + n * per_s
+                return None
+            return run
+        return m
+
+    r = C.time_per_call(make(800e-6, 30e-6), (), 10, 30, warmup=1, iters=3)
+    assert r["slope_ok"] and r["n1"] == 10 and r["n2"] == 30
+    assert r["median_us"] == pytest.approx(30.0)
+    assert r["per_call_us_n2"] == pytest.approx((800.0 + 30 * 30.0) / 30)
+    flat = C.time_per_call(make(1e-3, 0.0), (), 2, 6, warmup=1, iters=2)
+    assert not flat["slope_ok"] and flat["median_us"] == pytest.approx(1000.0 / 6)
+    with pytest.raises(ValueError):
+        C.time_per_call(make(0.0, 1e-6), (), 5, 5)
