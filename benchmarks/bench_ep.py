@@ -58,9 +58,6 @@ def _args(argv=None):
     ap.add_argument("--sms", type=int, default=0, help="num_sms of our kernels (0 = automatic: 24)")
     ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
-    ap.add_argument("--unroll", type=int, default=1,
-                    help="calls per fori_loop iteration (lax.fori_loop unroll): fewer loop-control steps between "
-                         "calls; --loop must be a multiple")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--baseline-iters", type=int, default=5)
@@ -161,7 +158,7 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
     def dispatch_loop(x, tk, w, sf):
         def step(i, tok):
             return disp(x, tk, w, sf, tok).token
-        return lax.fori_loop(0, n, step, tok0(x), unroll=ARGS.unroll)[None]
+        return lax.fori_loop(0, n, step, tok0(x))[None]
 
     def combine_loop(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))
@@ -169,7 +166,7 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
 
         def step(i, tok):
             return jax_engram.combine(y, res.handle, token=tok, return_token=True)[-1]
-        return lax.fori_loop(0, n, step, res.token, unroll=ARGS.unroll)[None]
+        return lax.fori_loop(0, n, step, res.token)[None]
 
     def check(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))
