@@ -142,8 +142,22 @@ def time_per_call(make: Callable[[int], Callable], args: tuple, n1: int, n2: int
             s.append((time.perf_counter() - t0) * 1e6)
     t1, t2 = float(np.median(s1)), float(np.median(s2))
     slope_ok = t2 > t1  # noise larger than the work (tiny CPU smoke runs): fall back to T(n2) / n2
+    # spread: the slopes of the alternating (n1, n2) sample pairs
+    pairs = (np.asarray(s2) - np.asarray(s1)) / (n2 - n1) if slope_ok else np.asarray(s2) / n2
     return dict(median_us=(t2 - t1) / (n2 - n1) if slope_ok else t2 / n2, slope_ok=slope_ok, n1=n1, n2=n2,
+                p10_us=float(np.percentile(pairs, 10)), p90_us=float(np.percentile(pairs, 90)),
                 t1_us=t1, t2_us=t2, per_call_us_n2=t2 / n2, samples_n1=s1, samples_n2=s2)
+
+
+def time_loop_per_call(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: int = 10) -> dict:
+    """``time_loop``'s loop (``step_fn`` on the carry, ``n`` and ``3n`` times in one jitted ``lax.fori_loop``),
+    timed per step by ``time_per_call``'s slope: the program's fixed overhead cancels instead of adding
+    overhead / n to every step. Same contract for ``step_fn`` as ``time_loop``."""
+    n = max(int(n), 1)
+
+    def make(m):
+        return jax.jit(lambda c: lax.fori_loop(0, m, lambda i, c: step_fn(c), c))
+    return time_per_call(make, (carry,), n, 3 * n, warmup=warmup, iters=iters)
 
 
 def rotate(make_inputs: Callable[[int], Any], k: int) -> list[tuple]:

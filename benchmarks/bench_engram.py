@@ -2,7 +2,9 @@
 
 What is measured (every number is per rank, with the configuration printed beside it):
   * engram fetch+wait   ``table.lookup`` (fetch + wait on XLA's stream), per lookup inside a jitted fori_loop of
-                        many lookups (``us``) and as a single jitted call including host dispatch (``us_call``).
+                        many lookups (``us``: the slope between loops of n and 3n lookups, _common.time_per_call,
+                        so the jitted program's fixed ~0.5-1 ms overhead cancels instead of adding overhead / n)
+                        and as a single jitted call including host dispatch (``us_call``).
   * engram issue        what an overlapped fetch costs XLA's stream: t(fetch; X; wait) - t(X) per iteration,
                         where X is independent compute sized to outlast the reads (fetch on the side stream).
   * engram wait         the rest of an overlapped fetch when nothing overlaps it: t(fetch; wait) - issue.
@@ -19,7 +21,7 @@ loop and per-call times) / our fetch+wait loop time.
 
 Ids are uniform over all ranks' rows (make_engram_inputs); the loop cycles through --id-sets different id sets
 so consecutive lookups read different rows (tiny T still re-reads the same few rows every cycle: the owner's L2
-may serve them). Baselines are timed per call and in a loop whose body also adds 1 to the ids (one small
+may serve them). Baselines are timed per call and in a loop (the same slope timing) whose body also adds 1 to the ids (one small
 elementwise kernel) so that XLA cannot hoist the loop-invariant lookup.
 
 Run (one process over all local GPUs, or under the launcher):
@@ -107,10 +109,10 @@ IDS_SH = NamedSharding(mesh, P(AX, None))
 
 
 def loop_n(nbytes: int) -> int:
-    """Lookups per timed loop: ~20-50 ms of work, at least 10."""
+    """Lookups in the short timed loop (the long one has 3x): ~20-50 ms of work, at least 6."""
     if args.tiny:
         return 4
-    return int(max(10, min(1000, 4e8 / max(nbytes, 1))))
+    return int(max(6, min(1000, 4e8 / max(nbytes, 1))))
 
 
 def zero_tok():
@@ -188,8 +190,9 @@ def time_ours(table, id_sets, nbytes):
         return (*ids, tok)
 
     step = loop_step(lookup_body, (P(AX, None),) * k + (P(AX),), (P(AX, None),) * k + (P(AX),))
-    t = C.time_loop(step, (*id_sets, zero_tok()), n // k, iters=args.iters)
-    res["fetch+wait"] = dict(us=t["median_us"] / k, p10=t["p10_us"] / k, p90=t["p90_us"] / k, loop_n=n)
+    t = C.time_loop_per_call(step, (*id_sets, zero_tok()), n // k, iters=args.iters)
+    res["fetch+wait"] = dict(us=t["median_us"] / k, p10=t["p10_us"] / k, p90=t["p90_us"] / k, loop_n=n,
+                             per_lookup_us_n2=t["per_call_us_n2"] / k)
 
     # single call, host dispatch included
     one = jax.jit(sm(lambda i: table.lookup(i)[0], (P(AX, None),), P(AX, None)))
@@ -238,9 +241,9 @@ def time_ours(table, id_sets, nbytes):
         if not args.tiny:
             m = int(min(200000, max(4, m * target / max(tx, 1e-3))))
         sx, sfxw, sfw = make_steps(m)
-        t_x = C.time_loop(sx, carry, max(1, n // k), iters=args.iters)["median_us"] / k
-        t_fxw = C.time_loop(sfxw, carry, max(1, n // k), iters=args.iters)["median_us"] / k
-        t_fw = C.time_loop(sfw, carry, max(1, n // k), iters=args.iters)["median_us"] / k
+        t_x = C.time_loop_per_call(sx, carry, max(1, n // k), iters=args.iters)["median_us"] / k
+        t_fxw = C.time_loop_per_call(sfxw, carry, max(1, n // k), iters=args.iters)["median_us"] / k
+        t_fw = C.time_loop_per_call(sfw, carry, max(1, n // k), iters=args.iters)["median_us"] / k
         issue = max(t_fxw - t_x, 0.0)
         res["issue"] = dict(us=issue, x_us=t_x, fetch_x_wait_us=t_fxw, x_kernels=m,
                             overlapped=t_x >= res["fetch+wait"]["us"])
@@ -263,8 +266,9 @@ def time_baselines(table_arr, ids, nbytes):
                 t, i, _ = c
                 return t, (i + 1) % total, fn(t, i)
 
-            tl = C.time_loop(step, (table_arr, ids, o), n, iters=args.iters)
-            out[name] = dict(us=tl["median_us"], us_call=tc["median_us"], loop_n=n, result=o)
+            tl = C.time_loop_per_call(step, (table_arr, ids, o), n, iters=args.iters)
+            out[name] = dict(us=tl["median_us"], us_call=tc["median_us"], loop_n=n,
+                             per_call_us_n2=tl["per_call_us_n2"], result=o)
         except Exception as e:  # noqa: BLE001
             out[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
     return out
