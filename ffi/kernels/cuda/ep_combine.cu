@@ -250,7 +250,7 @@ template <typename T>
 __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineParams p, int SW) {
   extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
-  __shared__ int sh_next, sh_done, sh_base_ready;
+  __shared__ int sh_next, sh_done, sh_base_ready, sh_pushed;
   __shared__ uint64_t sh_t0;
   __shared__ int sh_base[kMaxRanks];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -266,6 +266,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     sh_next = 0;
     sh_done = 0;
     sh_base_ready = 0;
+    sh_pushed = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
@@ -423,7 +424,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     }
     EP_TRACE(p, sh_t0, "combine pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
-    if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
+    if (tid == 0) {
+      __threadfence_block();
+      *reinterpret_cast<volatile int*>(&sh_pushed) = 1;
+      staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
+    }
     // then help the source side reduce (its tables are ready long before the pushes end)
     if (lane == 0) {
       unsigned ns = 32;
@@ -468,6 +473,17 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     __threadfence_block();
     *reinterpret_cast<volatile int*>(&sh_base_ready) = 1;
   }
+  if (p.reduce_after_push) {
+    if (lane == 0) {
+      unsigned ns = 64;
+      while (*reinterpret_cast<volatile int*>(&sh_pushed) == 0) {
+        __nanosleep(ns);
+        ns = ns < 512 ? ns * 2 : 512;
+      }
+      __threadfence_block();
+    }
+    __syncwarp();
+  }
   if (!reduce_tokens()) return;
   EP_TRACE(p, sh_t0, "combine reduced", lane == 0 && (warp == SW || warp == 15));
   trace_span_end(p.trace, ws, &sh_done, "combine", me);
@@ -487,6 +503,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   p.trace = ep_trace_level();
   p.reduce_slots = ep_reduce_slots();
+  p.reduce_after_push = ep_combine_reduce_after_push() ? 1 : 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);

@@ -816,6 +816,14 @@ int ep_reduce_slots() {
   return v;
 }
 
+bool ep_combine_reduce_after_push() {
+  static const bool v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_COMBINE_AFTER_PUSH");
+    return e && *e && std::atoi(e) != 0;
+  }();
+  return v;
+}
+
 bool ep_cooperative_launch() {
   static const bool v = [] {
     const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
