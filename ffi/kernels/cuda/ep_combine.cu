@@ -119,7 +119,7 @@ JE_DEVICE void warp_reduce(uint8_t* out, const uint8_t* b0, const uint8_t* b1, u
   }
   // 16-byte units, 2 per lane x 2 sources in flight (more spills at 128 registers/thread)
   if ((a & 15) == 0)
-    warp_reduce_v<T, uint4, 2>(out, b0, b1, mask, lane_src, nbytes, lane);
+    warp_reduce_v<T, uint4, 4>(out, b0, b1, mask, lane_src, nbytes, lane);
   else
     warp_reduce_v<T, T, 4>(out, b0, b1, mask, lane_src, nbytes, lane);
 }
