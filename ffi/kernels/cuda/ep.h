@@ -105,8 +105,6 @@ struct EpCombineParams {
   int32_t* token_out = nullptr;
   int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
-  int32_t reduce_slots = 8;  // cp.async ring depth of the row sums (4, 8, 12; 0 = register loads)
-  int32_t reduce_after_push = 0;  // pull warps start reducing only once their CTA's pushes are done
 };
 
 // Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
@@ -122,13 +120,8 @@ inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
 //                               the last CTA (tools/ep_trace.py)
 //   JAX_ENGRAM_EP_COOPERATIVE   0: launch without the cooperative attribute (the grid is at most one CTA per SM
 //                               and co-resident anyway on an otherwise idle GPU); default 1
-//   JAX_ENGRAM_EP_REDUCE_SLOTS  ring depth of combine's row sums: 4, 8 (default) or 12 KB of loads in flight per
-//                               warp; 0 = the register version
-//   JAX_ENGRAM_EP_COMBINE_AFTER_PUSH  1: combine's pull warps start reducing only after their CTA's pushes ended
 int ep_trace_level();
 bool ep_cooperative_launch();
-int ep_reduce_slots();
-bool ep_combine_reduce_after_push();
 
 // Dispatch push chunks per CTA: the CTA's token range is cut into this many chunks of (almost) equal size (sizes
 // differ by at most one token: ep_chunk_begin), dealt round-robin to the stage warps, so every stage warp pushes

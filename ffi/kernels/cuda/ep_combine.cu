@@ -106,9 +106,42 @@ __device__ __noinline__ void warp_reduce_v(uint8_t* out, const uint8_t* b0, cons
   }
 }
 
+// out = T(-0 + a + b) for two rows and no bias (the common case: at 2 ranks every token with experts on both):
+// 8 units per lane of both rows in flight and no accumulator kept across terms, the fastest form probe_reduce found
+// (24 SMs, 4096 tokens of 14 KB: 73 us vs 83 us for the general form below, 200 us for a cp.async ring).
+template <typename T, int U>
+__device__ __noinline__ void warp_sum2_v(uint8_t* out, const uint4* sa, const uint4* sb, int64_t nbytes, int lane) {
+  constexpr int NE = 16 / sizeof(T);
+  const int64_t n = nbytes / 16;
+  for (int64_t base = 0; base < n; base += 32 * U) {
+    uint4 va[U], vb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      va[u] = idx < n ? __ldcg(sa + idx) : uint4{};
+      vb[u] = idx < n ? __ldcg(sb + idx) : uint4{};
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      if (idx >= n) continue;
+      const T* ea = reinterpret_cast<const T*>(&va[u]);
+      const T* eb = reinterpret_cast<const T*>(&vb[u]);
+      uint4 v;
+      T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+      for (int q = 0; q < NE; ++q) e[q] = from_f<T>((-0.0f + to_f(ea[q])) + to_f(eb[q]));
+      reinterpret_cast<uint4*>(out)[idx] = v;
+    }
+  }
+}
+
+// Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out.
+// Register loads: probe_reduce measured a cp.async ring through shared memory 2.4x slower than 4 units per lane of
+// two terms in registers (the ring was this kernel's default until session 4: combine 420 -> 324 us at 4096 tokens).
 template <typename T>
-JE_DEVICE void warp_reduce(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
-                           int64_t nbytes, int lane) {
+JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
+                        int64_t nbytes, int lane) {
   uint64_t a = reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(b0) | reinterpret_cast<uint64_t>(b1) |
                static_cast<uint64_t>(nbytes);
   unsigned mm = mask;
@@ -117,115 +150,16 @@ JE_DEVICE void warp_reduce(uint8_t* out, const uint8_t* b0, const uint8_t* b1, u
     mm &= mm - 1;
     a |= __shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), b);
   }
-  // 16-byte units, 2 per lane x 2 sources in flight (more spills at 128 registers/thread)
-  if ((a & 15) == 0)
-    warp_reduce_v<T, uint4, 4>(out, b0, b1, mask, lane_src, nbytes, lane);
-  else
+  if ((a & 15) != 0) {
     warp_reduce_v<T, T, 4>(out, b0, b1, mask, lane_src, nbytes, lane);
-}
-
-// ---- asynchronous reduce: cp.async (16 B per lane, L2 only) into a per-warp ring of kSlots slots -------------
-// Terms (the rows to add, in order) are pointers in this warp's `terms` table. Items are (slice, term) pairs,
-// slice-major; kSlots - 1 items stay in flight while the oldest is added, so a warp keeps ~kSlots KB of loads
-// outstanding without holding them in registers (remote NVLink rows need that much to reach the link rate).
-inline constexpr int kRU = 2;                      // 16-byte units per lane per slot
-inline constexpr int kMaxSlots = 12;               // deepest ring (EpCombineParams::reduce_slots: 4, 8 or 12)
-inline constexpr int kSlotUnits = 32 * kRU;        // uint4 per slot (1 KB)
-inline constexpr int kMaxTerms = 36;               // 2 biases + up to 32 ranks (+ padding)
-// Shared memory per warp for a ring depth: the ring, then the terms table. Sized by the depth in use, not the
-// deepest: every KB of shared memory is a KB less of L1 for the kernel's register spills.
-JE_HD int warp_smem_bytes(int slots) { return slots * kSlotUnits * 16 + kMaxTerms * 8; }
-
-JE_DEVICE void cp_async16(void* smem_dst, const void* gsrc) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
-}
-JE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-JE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-template <typename T, int kSlots>
-__device__ __noinline__ void warp_reduce_async(uint8_t* out, const uint8_t* const* terms, int nterms, int64_t nbytes,
-                                               uint4* ring, int lane) {
-  constexpr int NE = 16 / sizeof(T);
-  const int64_t n = nbytes / 16;
-  const int nslices = static_cast<int>((n + kSlotUnits - 1) / kSlotUnits);
-  const int total = nslices * nterms;
-  auto issue = [&](int item) {
-    if (item < total) {
-      const int sl = item / nterms, q = item % nterms;
-      const uint4* src = reinterpret_cast<const uint4*>(terms[q]);
-      uint4* slot = ring + (item % kSlots) * kSlotUnits;
-#pragma unroll
-      for (int u = 0; u < kRU; ++u) {
-        const int64_t idx = static_cast<int64_t>(sl) * kSlotUnits + u * 32 + lane;
-        if (idx < n) cp_async16(slot + u * 32 + lane, src + idx);
-      }
-    }
-    cp_async_commit();  // empty groups keep "kSlots groups ahead" exact
-  };
-#pragma unroll 1
-  for (int i = 0; i < kSlots; ++i) issue(i);
-  float acc[kRU][NE];
-#pragma unroll 1
-  for (int item = 0; item < total; ++item) {
-    cp_async_wait<kSlots - 1>();
-    const int sl = item / nterms, q = item % nterms;
-    const uint4* slot = ring + (item % kSlots) * kSlotUnits;
-    if (q == 0) {
-#pragma unroll
-      for (int u = 0; u < kRU; ++u)
-#pragma unroll
-        for (int e = 0; e < NE; ++e) acc[u][e] = -0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < kRU; ++u) {
-      const uint4 v = slot[u * 32 + lane];  // this lane's own cp.async destination: no warp sync needed
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int k = 0; k < NE; ++k) acc[u][k] += to_f(e[k]);
-    }
-    if (q == nterms - 1) {
-#pragma unroll
-      for (int u = 0; u < kRU; ++u) {
-        const int64_t idx = static_cast<int64_t>(sl) * kSlotUnits + u * 32 + lane;
-        if (idx < n) {
-          uint4 v;
-          T* e = reinterpret_cast<T*>(&v);
-#pragma unroll
-          for (int k = 0; k < NE; ++k) e[k] = from_f<T>(acc[u][k]);
-          reinterpret_cast<uint4*>(out)[idx] = v;
-        }
-      }
-    }
-    issue(item + kSlots);  // the slot just read is refilled only after its values were consumed above
+  } else if (!b0 && !b1 && __popc(mask) == 2) {
+    const int ba = __ffs(mask) - 1, bb = __ffs(mask & (mask - 1)) - 1;
+    const auto* sa = reinterpret_cast<const uint4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), ba));
+    const auto* sb = reinterpret_cast<const uint4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), bb));
+    warp_sum2_v<T, 8>(out, sa, sb, nbytes, lane);
+  } else {
+    warp_reduce_v<T, uint4, 4>(out, b0, b1, mask, lane_src, nbytes, lane);  // 2 terms x 4 units in flight
   }
-  cp_async_wait<0>();
-}
-
-// Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out:
-// the async engine when every pointer is 16-byte aligned, else the register version.
-template <typename T>
-JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
-                        int64_t nbytes, uint4* ring, const uint8_t** terms, int lane, int slots) {
-  const int nb = (b0 ? 1 : 0) + (b1 ? 1 : 0);
-  const bool mine = (mask >> lane) & 1u;
-  const unsigned bits = static_cast<unsigned>(
-      (reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(b0) | reinterpret_cast<uint64_t>(b1) |
-       static_cast<uint64_t>(nbytes) | (mine ? reinterpret_cast<uint64_t>(lane_src) : 0)) & 15);
-  if (__reduce_or_sync(kFull, bits) != 0 || slots == 0) {
-    warp_reduce<T>(out, b0, b1, mask, lane_src, nbytes, lane);
-    return;
-  }
-  __syncwarp();  // the previous call's readers of `terms` are done
-  if (lane == 0 && b0) terms[0] = b0;
-  if (lane == 0 && b1) terms[nb - 1] = b1;
-  if (mine) terms[nb + __popc(mask & lanemask_lt())] = lane_src;
-  __syncwarp();
-  const int nt = nb + __popc(mask);
-  if (slots == 4) warp_reduce_async<T, 4>(out, terms, nt, nbytes, ring, lane);
-  else if (slots == 12) warp_reduce_async<T, 12>(out, terms, nt, nbytes, ring, lane);
-  else warp_reduce_async<T, 8>(out, terms, nt, nbytes, ring, lane);
 }
 
 // Slot of expert rank d on rank s for this call's half.
@@ -248,9 +182,8 @@ JE_DEVICE void mark_bad(const EpCombineParams& p, uint64_t seq, int64_t detail, 
 
 template <typename T>
 __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineParams p, int SW) {
-  extern __shared__ __align__(16) uint8_t csmem[];
   __shared__ uint64_t sh_seq;
-  __shared__ int sh_next, sh_done, sh_base_ready, sh_pushed;
+  __shared__ int sh_next, sh_done, sh_base_ready;
   __shared__ uint64_t sh_t0;
   __shared__ int sh_base[kMaxRanks];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -266,15 +199,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     sh_next = 0;
     sh_done = 0;
     sh_base_ready = 0;
-    sh_pushed = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
   const uint64_t seq = sh_seq;
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
-  const int wsm = warp_smem_bytes(p.reduce_slots);
-  uint4* ring = reinterpret_cast<uint4*>(csmem + warp * wsm);
-  const uint8_t** terms = reinterpret_cast<const uint8_t**>(csmem + warp * wsm + p.reduce_slots * kSlotUnits * 16);
   const int64_t row_bytes = static_cast<int64_t>(p.H) * sizeof(T);
   const int CH = p.chunk;
   const int rows_tok = R * M;
@@ -342,7 +271,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
                        __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(mm) - 1)),
                    out, row_bytes, lane);
       } else {
-        warp_sum<T>(out, b0, b1, mm, src, row_bytes, ring, terms, lane, p.reduce_slots);
+        warp_sum<T>(out, b0, b1, mm, src, row_bytes, lane);
       }
       if (p.trace > 1) {
         const uint64_t tr2 = cuda::globaltimer_ns();
@@ -412,7 +341,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
                          __shfl_sync(kFull, reinterpret_cast<unsigned long long>(src), __ffs(vm) - 1)),
                      dst, row_bytes, lane);
         } else {
-          warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, ring, terms, lane, p.reduce_slots);
+          warp_sum<T>(dst, nullptr, nullptr, vm, src, row_bytes, lane);
         }
         if (p.weights && lane < K) st_w[lane] = r >= 0 ? p.weights[r] : 0.0f;
       }
@@ -424,11 +353,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     }
     EP_TRACE(p, sh_t0, "combine pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
-    if (tid == 0) {
-      __threadfence_block();
-      *reinterpret_cast<volatile int*>(&sh_pushed) = 1;
-      staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
-    }
+    if (tid == 0) staged_arrive(ws, EpScratch::kCombineStaged, EpWorkspace::kCombineReady, seq);
     // then help the source side reduce (its tables are ready long before the pushes end)
     if (lane == 0) {
       unsigned ns = 32;
@@ -473,17 +398,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
     __threadfence_block();
     *reinterpret_cast<volatile int*>(&sh_base_ready) = 1;
   }
-  if (p.reduce_after_push) {
-    if (lane == 0) {
-      unsigned ns = 64;
-      while (*reinterpret_cast<volatile int*>(&sh_pushed) == 0) {
-        __nanosleep(ns);
-        ns = ns < 512 ? ns * 2 : 512;
-      }
-      __threadfence_block();
-    }
-    __syncwarp();
-  }
   if (!reduce_tokens()) return;
   EP_TRACE(p, sh_t0, "combine reduced", lane == 0 && (warp == SW || warp == 15));
   trace_span_end(p.trace, ws, &sh_done, "combine", me);
@@ -502,13 +416,10 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   p.trace = ep_trace_level();
-  p.reduce_slots = ep_reduce_slots();
-  p.reduce_after_push = ep_combine_reduce_after_push() ? 1 : 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);
-  const int smem = (kEpThreads / 32) * ep::warp_smem_bytes(p.reduce_slots);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = 0;  // no shared-memory ring: all of it stays L1
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
@@ -516,13 +427,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   cfg.attrs = attr;
   cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
   int sw = l.stage_warps;
-  cudaError_t e;
-  if (p.dtype == EpDtype::kBF16)
-    e = cudaFuncSetAttribute(ep::combine_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  else
-    e = cudaFuncSetAttribute(ep::combine_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
-  e = p.dtype == EpDtype::kBF16 ? cudaLaunchKernelEx(&cfg, ep::combine_kernel<__nv_bfloat16>, p, sw)
+  cudaError_t e = p.dtype == EpDtype::kBF16 ? cudaLaunchKernelEx(&cfg, ep::combine_kernel<__nv_bfloat16>, p, sw)
                                             : cudaLaunchKernelEx(&cfg, ep::combine_kernel<float>, p, sw);
   if (e != cudaSuccess) return e;
   return cudaGetLastError();

@@ -807,23 +807,6 @@ int ep_trace_level() {
   return v;
 }
 
-int ep_reduce_slots() {
-  static const int v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_REDUCE_SLOTS");
-    const int n = !e || !*e ? 8 : std::atoi(e);
-    return n == 0 || n == 4 || n == 12 ? n : 8;
-  }();
-  return v;
-}
-
-bool ep_combine_reduce_after_push() {
-  static const bool v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_COMBINE_AFTER_PUSH");
-    return e && *e && std::atoi(e) != 0;
-  }();
-  return v;
-}
-
 bool ep_cooperative_launch() {
   static const bool v = [] {
     const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
