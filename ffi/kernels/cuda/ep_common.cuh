@@ -83,10 +83,11 @@ JE_DEVICE void staged_arrive(uint8_t* ws, uint64_t staged_off, uint64_t ready_of
 // Grid barrier of a cooperative launch (all CTAs co-resident). Own-memory counter + generation; leaves the
 // counter at 0. Bounded by the context timeout (a failure is recorded; it cannot happen with a cooperative
 // launch). Returns false on timeout.
-JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op) {
+// `nthreads` threads of every CTA take part (named barrier `bar`); `leader` is one of them.
+JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op, int bar, int nthreads, bool leader) {
   __shared__ int sh_ok;
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  bar_sync(bar, nthreads);
+  if (leader) {
     unsigned* count = reinterpret_cast<unsigned*>(ws + EpScratch::kGridBar);
     volatile unsigned* gen = reinterpret_cast<volatile unsigned*>(ws + EpScratch::kGridBar + 4);
     const unsigned g = *gen;
@@ -110,7 +111,7 @@ JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op) {
     __threadfence();
     sh_ok = ok;
   }
-  __syncthreads();
+  bar_sync(bar, nthreads);
   return sh_ok != 0;
 }
 
