@@ -83,11 +83,10 @@ JE_DEVICE void staged_arrive(uint8_t* ws, uint64_t staged_off, uint64_t ready_of
 // Grid barrier of a cooperative launch (all CTAs co-resident). Own-memory counter + generation; leaves the
 // counter at 0. Bounded by the context timeout (a failure is recorded; it cannot happen with a cooperative
 // launch). Returns false on timeout.
-// `nthreads` threads of every CTA take part (named barrier `bar`); `leader` is one of them.
-JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op, int bar, int nthreads, bool leader) {
+JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op) {
   __shared__ int sh_ok;
-  bar_sync(bar, nthreads);
-  if (leader) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
     unsigned* count = reinterpret_cast<unsigned*>(ws + EpScratch::kGridBar);
     volatile unsigned* gen = reinterpret_cast<volatile unsigned*>(ws + EpScratch::kGridBar + 4);
     const unsigned g = *gen;
@@ -111,7 +110,7 @@ JE_DEVICE bool grid_sync(uint8_t* ws, const EpWindow& w, int32_t op, int bar, in
     __threadfence();
     sh_ok = ok;
   }
-  bar_sync(bar, nthreads);
+  __syncthreads();
   return sh_ok != 0;
 }
 

@@ -6,16 +6,14 @@
 //
 // Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1). CTA c owns the token range
 // [c*tpc, (c+1)*tpc), tpc = ceil(M/G), cut into chunks of `chunk` tokens (ep_dispatch_chunk):
-//   1. Layout (the pull warps, while the stage warps already push rows): the counting sort over the CTA's range; pass 1 counts per dest rank (a token once per
+//   1. Layout (all warps): the counting sort over the CTA's range; pass 1 counts per dest rank (a token once per
 //      rank) and per expert into per-warp shared counters and finds the first bad (t, k); per-CTA totals ->
 //      scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); CTA 0 writes the totals and
 //      pushes the header (counts, exp_counts, bad words, N; then flag = seq) into its slot on every peer; pass 2
 //      walks the tokens again in order and hands out positions, writing topk_idx, weights, pos_rank, pos_exp of
 //      the range into the own half. Both passes read the range's topk rows from a shared-memory copy when it fits.
-//   2. Stage warps (sender), from the kernel's start: per chunk of the CTA's range, each token's x / scales row
-//      into row t of the slot on every d holding one of its experts (needs only its topk row). Once the layout is
-//      done (at once for the chunks already out, then after each chunk): each token's pos for d into the slot on
-//      d, and for each d the token goes to its topk / weights / pos_exp rows; then progress[c] =
+//   2. Stage warps (sender): per chunk of the CTA's range, each token's pos for d into the slot on d, and for each
+//      d the token goes to its x / scales row and its topk / weights / pos_exp rows; then progress[c] =
 //      (seq << 32) | chunks done on every peer (release.sys). The last CTA done publishes own ready.
 //      Then (tables ready): dst_row of the range, zero padding rows, CTA 0 the count outputs and the end-of-call
 //      wait for every peer's ready >= seq (ep_layout.h: the two-halves argument holds for the inboxes too: a rank
@@ -227,56 +225,6 @@ JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t h
   }
 }
 
-// Sender, before the layout: token t's x (and scales) rows into its row t of this rank's slot on every other rank
-// holding one of its experts (from the topk row alone). Whole warp.
-template <typename TopkAt>
-JE_DEVICE void push_token_rows(const EpDispatchParams& p, uint64_t hoff, int t, TopkAt topk_at, int lane) {
-  const int R = p.w.nranks, me = p.w.rank, E_loc = p.E / R;
-  const int id = lane < p.K ? topk_at(t, lane) : -1;
-  const int dk = id >= 0 && id < p.E ? id / E_loc : -1;
-  for (int d0 = 0; d0 < R; d0 += 32) {
-    const int d = d0 + lane;
-    bool has = false;
-    for (int k = 0; k < p.K; ++k) has |= __shfl_sync(kFull, dk, k) == d;
-    const bool go = has && d < R && d != me;
-    const unsigned dm = __ballot_sync(kFull, go);
-    if (!dm) continue;
-    const Slot sl = go ? peer_slot(p, hoff, me, d) : Slot{};
-    warp_push(p.x + t * p.x_bytes, dm, go ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
-    if (p.sf_bytes) warp_push(p.sf + t * p.sf_bytes, dm, go ? sl.sf + t * p.L.sf_row : nullptr, p.sf_bytes, lane);
-  }
-}
-
-// Sender, after the layout: token t's slot metadata on every other rank -- pos (-1: not sent there) and, where
-// sent, the topk / pos_exp / weights rows. Whole warp. The layout outputs were written by other warps of the CTA:
-// read past L1.
-JE_DEVICE void push_token_meta(const EpDispatchParams& p, const Half& own, uint64_t hoff, int t, int lane) {
-  const int R = p.w.nranks, me = p.w.rank, K = p.K;
-  const int64_t tK = static_cast<int64_t>(t) * K;
-  const int32_t id = lane < K ? __ldcg(own.topk + tK + lane) : -1;
-  const int32_t pe = (p.expand && lane < K) ? __ldcg(own.pos_exp + tK + lane) : -1;
-  const float wv = (p.weights && lane < K) ? p.weights[tK + lane] : 0.0f;
-  for (int d0 = 0; d0 < R; d0 += 32) {
-    const int d = d0 + lane;
-    int pos = -1;
-    if (d < R && d != me) {
-      pos = __ldcg(own.pos_rank + static_cast<int64_t>(t) * R + d);
-      peer_slot(p, hoff, me, d).pos[t] = pos;
-    }
-    unsigned mm = __ballot_sync(kFull, pos >= 0);
-    while (mm) {
-      const int b = __ffs(mm) - 1;
-      mm &= mm - 1;
-      const Slot sb = peer_slot(p, hoff, me, d0 + b);
-      if (lane < K) {
-        sb.topk[tK + lane] = id;
-        if (p.expand) sb.pexp[tK + lane] = pe;
-        if (p.weights) sb.w[tK + lane] = wv;
-      }
-    }
-  }
-}
-
 // Zero padding rows of the expand layout: rows [start+count, start+align(count, A)) of every local expert,
 // spread over every stage warp of the grid.
 JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, int E_loc, int SW) {
@@ -392,7 +340,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
-  __shared__ int sh_abort, sh_next, sh_done, sh_layout, sh_iabort;
+  __shared__ int sh_abort, sh_next, sh_done;
   __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
@@ -408,8 +356,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     sh_abort = 0;
     sh_next = 0;
     sh_done = 0;
-    sh_layout = 0;
-    sh_iabort = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
@@ -417,10 +363,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
-  const int PW = nwarps - SW, ptid = tid - SW * 32, pthreads = PW * 32;
 
+  // ---- 1. layout: pass 1 (counts, first bad entry) --------------------------------------------------------
   int* cnt = reinterpret_cast<int*>(smem);
-  const int LW = min(p.layout_warps, PW);  // the layout runs on the pull warps (see below)
+  const int LW = p.layout_warps;
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
   const int tpc = tokens_per_cta(M);
   const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
@@ -434,104 +380,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   };
   __syncthreads();
   EP_TRACE(p, sh_t0, "dispatch entered", tid == 0);
-  const int NCH = p.chunk, len = t1 - t0;
-
-  if (warp < SW) {
-    // ---- 2. stage warps: push this CTA's range, chunk li by warp li % SW, no barrier between warps ----------------
-    // The rows go out at once: a row's place in the inbox is its token index, and whether it goes to d needs only
-    // its own topk row. Its slot metadata (pos, topk, pos_exp, weights) and the chunk's progress word follow once
-    // the layout (pull warps) is done; chunks whose rows are out by then get theirs in one go. Why: the layout
-    // (counting sort, grid barrier, prefix, header) took ~28 us at 4096 tokens and ~10 us at 128 before any row moved.
-    const int te_all = min(t1, N);
-    const int mine = warp < NCH ? (NCH - warp + SW - 1) / SW : 0;
-    const auto chunk_of = [&](int j, int* cb, int* ce) {
-      const int li = warp + j * SW;
-      *cb = ep_chunk_begin(t0, len, NCH, li);
-      *ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
-    };
-    const auto layout_done = [&]() {
-      int v = 0;
-      if (lane == 0) v = *reinterpret_cast<volatile int*>(&sh_layout);
-      v = __shfl_sync(kFull, v, 0);
-      if (v) __threadfence_block();
-      return v != 0;
-    };
-    int n_meta = 0;
-    bool ok = true;  // layout without a bad entry or an internal failure (known once the layout is done)
-    const auto flush_meta = [&](int upto) {
-      for (; n_meta < upto; ++n_meta) {
-        int cb, ce;
-        chunk_of(n_meta, &cb, &ce);
-        if (cb >= ce) continue;  // an empty chunk still counts: the receivers wait for li / SW + 1
-        for (int t = cb; t < ce; ++t) push_token_meta(p, own, hoff, t, lane);
-        publish_progress(p, hoff, seq, n_meta + 1, warp, lane);
-      }
-    };
-    bool known = false;
-    for (int j = 0; j < mine; ++j) {
-      int cb, ce;
-      chunk_of(j, &cb, &ce);
-      for (int t = cb; t < ce; ++t) push_token_rows(p, hoff, t, topk_at, lane);
-      if (!known && layout_done()) {
-        known = true;
-        ok = !sh_iabort && sh_bad == ULLONG_MAX;
-      }
-      if (known && ok) flush_meta(j + 1);
-    }
-    if (!known) {
-      if (lane == 0) {
-        unsigned ns = 32;
-        while (*reinterpret_cast<volatile int*>(&sh_layout) == 0) {
-          __nanosleep(ns);
-          ns = ns < 256 ? ns * 2 : 256;
-        }
-      }
-      __syncwarp();
-      __threadfence_block();
-      ok = !sh_iabort && sh_bad == ULLONG_MAX;
-    }
-    const bool iabort = sh_iabort != 0, bad = sh_bad != ULLONG_MAX;
-    if (ok) flush_meta(mine);
-    EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
-    bar_sync(1, SW * 32);
-    if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
-    bar_sync(2, blockDim.x);  // receive tables built by the pull warps
-    if (!sh_abort && !bad && !iabort) {
-      const int te = min(t1, N);
-      for (int q = tid; q < (te - t0) * R; q += SW * 32) {
-        const int t = t0 + q / R, d = q % R;
-        const int pos = own.pos_rank[static_cast<int64_t>(t) * R + d];
-        p.dst_row[static_cast<int64_t>(t) * R + d] = pos >= 0 ? tb.base_dst[d] + pos : -1;
-      }
-      if (c == 0) {
-        for (int s = tid; s < R; s += SW * 32) p.psum_rank[s] = tb.psum_excl[s + 1];
-        if (tid == 0) *p.num_recv = tb.psum_excl[R];
-        for (int e = tid; e < E_loc; e += SW * 32) {
-          const int a = align32(tb.cnt_e[e], p.A);
-          p.unaligned[e] = tb.cnt_e[e];
-          p.group_sizes[e] = a;
-          p.psum_expert[e] = p.expand ? tb.start_e[e] + tb.cnt_e[e] : tb.start_e[e] + a;
-        }
-      }
-      if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
-    }
-    EP_TRACE(p, sh_t0, "dispatch dst_row+counts", tid == 0);
-    if (c == 0 && !iabort && !sh_abort) {  // a call ends only after every peer published its ready
-      for (int s = tid; s < R; s += SW * 32)
-        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
-    }
-    EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
-    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
-    EP_TRACE_FLUSH(p, sh_t0);
-    return;
-  }
-
-  // ---- 1. layout (pull warps, named barrier 3): pass 1 (counts, first bad entry) -------------------------------
-  const int lw = warp - SW;
   const int per_w = (t1 - t0 + LW - 1) / LW;
-  const int wa = min(t0 + lw * per_w, t1), wb = min(wa + per_w, t1);
-  if (lw < LW) {
-    int* wc = cnt + lw * RE;
+  const int wa = min(t0 + warp * per_w, t1), wb = min(wa + per_w, t1);
+  if (warp < LW) {
+    int* wc = cnt + warp * RE;
     for (int t = wa; t < min(wb, N); ++t) {
       const int id = lane < K ? topk_at(t, lane) : -1;
       const bool in_range = id >= -1 && id < E;
@@ -545,10 +397,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       if (master) atomicAdd(&wc[d], 1);
     }
   }
-  bar_sync(3, pthreads);
-  EP_TRACE(p, sh_t0, "dispatch pass1", ptid == 0);
+  __syncthreads();
+  EP_TRACE(p, sh_t0, "dispatch pass1", tid == 0);
   int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
-  for (int q = ptid; q < RE; q += pthreads) {
+  for (int q = tid; q < RE; q += blockDim.x) {
     int run = 0;
     for (int w2 = 0; w2 < LW; ++w2) {
       const int v = cnt[w2 * RE + q];
@@ -557,15 +409,14 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
     cta_counts[static_cast<int64_t>(c) * RE + q] = run;
   }
-  if (ptid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
-  // internal failure: publish nothing, peers time out
-  const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch, 3, pthreads, ptid == 0);
-  EP_TRACE(p, sh_t0, "dispatch grid_sync", ptid == 0);
+  if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
+  const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch);  // internal failure: publish nothing, peers time out
+  EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
   // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
-  for (int c2 = ptid; c2 < G; c2 += pthreads)  // sh_bad holds this CTA's own; the grid's min of all
+  for (int c2 = tid; c2 < G; c2 += blockDim.x)  // sh_bad holds this CTA's own; the grid's min of all
     atomicMin(&sh_bad, __ldcg(reinterpret_cast<const unsigned long long*>(ws + EpScratch::kCtaBad) + c2));
-  for (int q = ptid; q < RE; q += pthreads) {
+  for (int q = tid; q < RE; q += blockDim.x) {
     int base = 0, tot = 0;
 #pragma unroll 8
     for (int c2 = 0; c2 < G; ++c2) {
@@ -578,9 +429,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       if (q < R) own.counts[q] = tot; else own.exp_counts[q - R] = tot;
     }
   }
-  bar_sync(3, pthreads);
+  __syncthreads();
   const bool bad = sh_bad != ULLONG_MAX;
-  if (bad && c == 0 && ptid == 0 && !iabort) {
+  if (bad && c == 0 && tid == 0 && !iabort) {
     const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
     const int id = p.topk[static_cast<int64_t>(t) * K + k];
     const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
@@ -595,12 +446,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   // Header (CTA 0): totals, bad words and N into this rank's slot on every peer, then the flag. Before pass 2:
   // the receivers' tables need only the totals, and pass 2 of CTA 0's range would delay them.
   if (c == 0 && !iabort) {
-    for (int q = ptid; q < (R - 1) * RE; q += pthreads) {
+    for (int q = tid; q < (R - 1) * RE; q += blockDim.x) {
       const int d = (me + 1 + q / RE) % R, f = q % RE;
       const Slot sl = peer_slot(p, hoff, me, d);
       if (f < R) sl.counts[f] = own.counts[f]; else sl.exp_counts[f - R] = own.exp_counts[f - R];
     }
-    for (int d = ptid; d < R; d += pthreads) {
+    for (int d = tid; d < R; d += blockDim.x) {
       if (d == me) continue;
       const Slot sl = peer_slot(p, hoff, me, d);
       if (bad) {
@@ -613,16 +464,16 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       *sl.ctrl(EpInbox::kBad) = bad ? seq : 0;
       *sl.ctrl(EpInbox::kN) = static_cast<uint64_t>(N);
     }
-    bar_sync(3, pthreads);
-    if (ptid == 0) {
+    __syncthreads();
+    if (tid == 0) {
       __threadfence_system();
       for (int d = 0; d < R; ++d)
         if (d != me) st_release_sys_u64(peer_slot(p, hoff, me, d).ctrl(EpInbox::kFlag), seq);
     }
   }
   // ---- layout pass 2: positions in token order --------------------------------------------------------------
-  if (!bad && !iabort && lw < LW) {
-    int* wc = cnt + lw * RE;
+  if (!bad && !iabort && warp < LW) {
+    int* wc = cnt + warp * RE;
     for (int t = wa; t < wb; ++t) {
       const int64_t tK = static_cast<int64_t>(t) * K;
       if (t < N) {
@@ -657,15 +508,62 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       }
     }
   }
-  bar_sync(3, pthreads);  // pass 2 of this CTA's range (and CTA 0's totals) visible to the pull warps
-  if (ptid == 0) {        // ... and to the stage warps
-    sh_iabort = iabort ? 1 : 0;
-    __threadfence_block();
-    *reinterpret_cast<volatile int*>(&sh_layout) = 1;
+  __syncthreads();  // pass 2 of this CTA's range (and CTA 0's totals) visible to the whole CTA
+  EP_TRACE(p, sh_t0, "dispatch layout+header", tid == 0);
+
+  const int PW = nwarps - SW;
+  const int NCH = p.chunk, len = t1 - t0;
+  if (warp < SW) {
+    // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
+    if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
+      const int te_all = min(t1, N);
+      int n = 0;
+      for (int li = warp; li < NCH; li += SW) {
+        ++n;  // counts empty chunks too: the receivers wait for li / SW + 1
+        const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
+        if (cb >= ce) continue;
+        for (int t = cb; t < ce; ++t)
+          push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
+                     lane);
+        publish_progress(p, hoff, seq, n, warp, lane);
+      }
+    }
+    EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
+    bar_sync(1, SW * 32);
+    if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
+    bar_sync(2, blockDim.x);  // receive tables built by the pull warps
+    if (!sh_abort && !bad && !iabort) {
+      const int te = min(t1, N);
+      for (int q = tid; q < (te - t0) * R; q += SW * 32) {
+        const int t = t0 + q / R, d = q % R;
+        const int pos = own.pos_rank[static_cast<int64_t>(t) * R + d];
+        p.dst_row[static_cast<int64_t>(t) * R + d] = pos >= 0 ? tb.base_dst[d] + pos : -1;
+      }
+      if (c == 0) {
+        for (int s = tid; s < R; s += SW * 32) p.psum_rank[s] = tb.psum_excl[s + 1];
+        if (tid == 0) *p.num_recv = tb.psum_excl[R];
+        for (int e = tid; e < E_loc; e += SW * 32) {
+          const int a = align32(tb.cnt_e[e], p.A);
+          p.unaligned[e] = tb.cnt_e[e];
+          p.group_sizes[e] = a;
+          p.psum_expert[e] = p.expand ? tb.start_e[e] + tb.cnt_e[e] : tb.start_e[e] + a;
+        }
+      }
+      if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
+    }
+    EP_TRACE(p, sh_t0, "dispatch dst_row+counts", tid == 0);
+    if (c == 0 && !iabort && !sh_abort) {  // a call ends only after every peer published its ready
+      for (int s = tid; s < R; s += SW * 32)
+        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
+    }
+    EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
+    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+    EP_TRACE_FLUSH(p, sh_t0);
+    return;
   }
-  EP_TRACE(p, sh_t0, "dispatch layout+header", ptid == 0);
 
   // ---- 3. pull warps ------------------------------------------------------------------------------------------------
+  const int ptid = tid - SW * 32, pthreads = PW * 32;
   bool ok = !bad && !iabort;
   if (ok) {
     for (int s = ptid; s < R; s += pthreads) {  // every peer's header (own memory)
