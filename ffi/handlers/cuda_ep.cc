@@ -296,9 +296,10 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  // stage warps: non-expand 8 of 16 (2xH200, 4096 tokens: 270 us vs 291 at 6 and 279 at 10, now that the source-side
-  // sums are fast the pushes set the time); expand 10 (the expert side also sums rows)
-  const EpLaunch l = launch_shape(m, num_sms, expand ? 10 : 8);
+  // Stage warps of 16, measured on 2xH200 at 4096 tokens: non-expand 8 (275 us; 291 at 6, 279 at 10: with fast
+  // source-side sums the pushes set the time); expand 14 (720 us; 939 at 10, 804 at 12: the expert side sums ~4
+  // rows per pushed row, and that sets the time)
+  const EpLaunch l = launch_shape(m, num_sms, expand ? 14 : 8);
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
