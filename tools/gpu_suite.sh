@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|ep|probe|probe_engram|bench_engram|bench_ep]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|ep|probe|probe_engram|probe_reduce|bench_engram|bench_ep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -44,6 +44,13 @@ for what in "${@:-foundation}"; do
       nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe_engram.log" 2>&1 &&
         timeout 120 "$OUT/probe_nvlink" 256 engram >> "$OUT/probe_engram.log" 2>&1
       log "probe_nvlink engram rc=$?"; cat "$OUT/probe_engram.log"; rm -f "$OUT/probe_nvlink" ;;
+    probe_reduce)  # combine's source-side sum on one GPU: register loads vs the cp.async ring, by CTA count
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_reduce" benchmarks/probe_reduce.cu > "$OUT/probe_reduce.log" 2>&1 &&
+        timeout 120 "$OUT/probe_reduce" >> "$OUT/probe_reduce.log" 2>&1
+      log "probe_reduce rc=$?"; cat "$OUT/probe_reduce.log"; rm -f "$OUT/probe_reduce" ;;
+    engram_1gpu)  # the Engram checks on one GPU
+      CUDA_VISIBLE_DEVICES=0 timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full > "$OUT/engram_1gpu.log" 2>&1
+      log "engram_check 1 GPU rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/engram_1gpu.log" | head -20 | tee -a "$OUT/summary.txt" ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;
