@@ -136,6 +136,24 @@ inline int32_t ep_dispatch_chunks(int64_t per_cta, int64_t stage_warps) {
   return static_cast<int32_t>(m * stage_warps);
 }
 // First token of chunk li of the range [t0, t0 + len) cut into nch chunks (li = nch: the range's end).
+// Token ranges of the dispatch CTAs (full and cached dispatch, both ranks' view of one call: from M and G only).
+// With few tokens per CTA (M <= 32 G) CTA 0 gets none: it also computes the totals and writes the header, and at
+// 128 tokens its own rows went out ~10 us after the other CTAs' (2xH200 trace), last on every receiver's path.
+JE_HD int ep_first_token_cta(int64_t M, int G) { return G >= 2 && M <= 32 * static_cast<int64_t>(G) ? 1 : 0; }
+JE_HD int ep_tokens_per_cta(int64_t M, int G) {
+  const int n = G - ep_first_token_cta(M, G);
+  return static_cast<int>((M + n - 1) / n);
+}
+// [t0, t1) of CTA c (empty for a CTA without tokens).
+JE_HD void ep_cta_tokens(int M, int G, int c, int* t0, int* t1) {
+  const int f = ep_first_token_cta(M, G), per = ep_tokens_per_cta(M, G);
+  const int64_t b = c < f ? 0 : static_cast<int64_t>(c - f) * per;
+  *t0 = static_cast<int>(b < M ? b : M);
+  *t1 = c < f ? *t0 : static_cast<int>(b + per < M ? b + per : M);
+}
+// The CTA whose range holds token t (0 <= t < M).
+JE_HD int ep_cta_of_token(int t, int M, int G) { return ep_first_token_cta(M, G) + t / ep_tokens_per_cta(M, G); }
+
 JE_HD int ep_chunk_begin(int t0, int len, int nch, int li) {
   return t0 + static_cast<int>(static_cast<int64_t>(li) * len / nch);
 }

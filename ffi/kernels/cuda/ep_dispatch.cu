@@ -5,7 +5,7 @@
 // both directions at once, remote loads cap at ~335, and remote polling by many warps competes with the data.
 //
 // Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1). CTA c owns the token range
-// [c*tpc, (c+1)*tpc), tpc = ceil(M/G), cut into chunks of `chunk` tokens (ep_dispatch_chunk):
+// ep_cta_tokens (ep.h: ~M/G each; CTA 0 none when M <= 32 G), cut into `chunk` chunks (ep_dispatch_chunks):
 //   1. Layout (all warps): the counting sort over the CTA's range; pass 1 counts per dest rank (a token once per
 //      rank) and per expert into per-warp shared counters and finds the first bad (t, k); per-CTA totals ->
 //      scratch; grid barrier; exclusive prefix over (earlier CTAs, earlier warps); CTA 0 writes the totals and
@@ -115,7 +115,6 @@ JE_DEVICE Slot peer_slot(const EpDispatchParams& p, uint64_t hoff, int s, int d)
   return slot_at(base, p.L, static_cast<int>(ep_inbox_slot(s, d, p.w.nranks)));
 }
 
-JE_DEVICE int tokens_per_cta(int M) { return (M + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x); }
 
 // Bounded wait of lane 0 for the own-memory word *w >= target (written by `peer`); whole warp, false on failure.
 JE_DEVICE bool warp_wait_local(const uint64_t* w, uint64_t target, const EpWindow& win, int32_t op, int32_t peer,
@@ -368,8 +367,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   int* cnt = reinterpret_cast<int*>(smem);
   const int LW = p.layout_warps;
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
-  const int tpc = tokens_per_cta(M);
-  const int t0 = min(c * tpc, M), t1 = min(t0 + tpc, M);
+  int t0, t1;
+  ep_cta_tokens(M, G, c, &t0, &t1);
   // The range's topk rows, loaded once with every load in flight: both layout passes walk their tokens one after
   // the other, and a global load per token made each pass a chain of round trips (~11 us at 4096 tokens).
   int* tk_cache = p.smem_topk >= 0 ? reinterpret_cast<int*>(smem + p.smem_topk) : nullptr;
@@ -698,10 +697,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
   const int PW = nwarps - SW;
-  const int NCH = p.chunk, tpc = tokens_per_cta(M);
+  const int NCH = p.chunk;
 
   if (warp < SW) {  // the chunks of the full dispatch (ranges from M, tokens below N)
-    const int t0 = min(c * tpc, M), len = min(t0 + tpc, M) - t0, te_all = min(t0 + len, N);
+    int t0, t1;
+    ep_cta_tokens(M, G, c, &t0, &t1);
+    const int len = t1 - t0, te_all = min(t1, N);
     int n = 0;
     for (int li = warp; li < NCH; li += SW) {
       ++n;
@@ -757,7 +758,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       vm &= vm - 1;
       const int g = __shfl_sync(kFull, gid, b);
       const int s = g / M, t = g % M;
-      const int sc = t / tpc, sli = ep_chunk_of(t, sc * tpc, min(sc * tpc + tpc, M) - sc * tpc, NCH);
+      const int sc = ep_cta_of_token(t, M, G);
+      int sb, se;
+      ep_cta_tokens(M, G, sc, &sb, &se);
+      const int sli = ep_chunk_of(t, sb, se - sb, NCH);
       const Slot sl = s == me ? Slot{} : peer_slot(p, hoff, s, me);
       if (s != me && (s != last_s || sc != last_c || sli != last_li)) {
         if (!warp_wait_local(chunk_word(sl, sc, sli, SW), chunk_value(seq, sli, SW), p.w, kOpEpDispatch, s, lane))
@@ -835,7 +839,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   p.layout_warps = lw;
   p.smem_tables = off;
   // topk cache of the CTA's token range when it fits beside the counters and tables (H100/H200: 227 KB per CTA)
-  const int64_t tpc = (p.M + l.num_ctas - 1) / l.num_ctas;
+  const int64_t tpc = ep_tokens_per_cta(p.M, l.num_ctas);
   const int64_t cache = (smem + 15) / 16 * 16;
   const int64_t cache_bytes = tpc * p.K * 4;
   int64_t total = smem;
@@ -844,7 +848,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
     p.smem_topk = static_cast<int32_t>(cache);
     total = cache + cache_bytes;
   }
-  p.chunk = ep_dispatch_chunks((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.chunk = ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(total), stream);
 }
@@ -853,7 +857,7 @@ cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cud
   const int R = p.w.nranks;
   p.layout_warps = 0;
   p.smem_tables = 0;
-  p.chunk = ep_dispatch_chunks((p.M + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  p.chunk = ep_dispatch_chunks(ep_tokens_per_cta(p.M, l.num_ctas), l.stage_warps);
   const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
   return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
 }
