@@ -179,6 +179,10 @@ class Context:
         self.spans_hosts = getattr(self, "spans_hosts", False)
 
     def _init_nccl(self) -> None:
+        # ncclCommInitRankConfig waits, without a bound, for every rank of the communicator: meet here first (a
+        # barrier bounded by the context timeout), so that a process that never gets this far becomes a
+        # TimeoutError naming the barrier instead of a hang inside NCCL.
+        self._exchange.barrier("nccl_init")
         for g, row in enumerate(self._groups):
             local = [m for m in self.members if m.group == g]
             if not local:
