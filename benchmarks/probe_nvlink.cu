@@ -2,7 +2,7 @@
 // Engram kernels can be judged against what SM loads/stores and TMA bulk copies can reach with a given number of
 // SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [engram]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [engram|tma]
 //
 // "engram" runs only the Engram gather variants: half of the rows local, tables from cudaMalloc or from cuMem
 // (VMM, the way jax_engram maps its windows), rows drawn from the whole 1 GiB table or from its first 128 MiB
@@ -395,6 +395,18 @@ int main(int argc, char** argv) {
               mib, kThreads, kStages, kChunk / 1024);
   std::printf("%-11s %4s %5s %9s\n", "engine", "dirs", "ctas", "GB/s/dir");
   struct P { const char* name; Launch f; };
+  if (argc > 2 && std::string(argv[2]) == "tma") {  // TMA bulk copies to / from the peer, beside CE and SM stores
+    for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
+    for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-11s %4d %5d %9.1f\n", "sm_write", dirs, 24, run(sm_write, dirs, 24, bytes));
+    const P tv[] = {{"tma_write", tma_write}, {"tma_read", tma_read}};
+    for (const P& p : tv)
+      for (int dirs = 1; dirs <= 2; ++dirs)
+        for (int c : {8, 16, 24, 32, 66}) {
+          std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes));
+          std::fflush(stdout);
+        }
+    return 0;
+  }
   if (argc > 2 && std::string(argv[2]) == "engram") {
     const P ev[] = {{"gather256h", gather256h}, {"gather256h_s", gather256h_s}, {"gather256h_v", gather256h_v},
                     {"gather256h_vs", gather256h_vs}};
