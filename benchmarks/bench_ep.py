@@ -57,6 +57,9 @@ def _args(argv=None):
     ap.add_argument("--alignment", type=int, default=1, help="expert_alignment of the expand layout")
     ap.add_argument("--sms", type=int, default=0, help="num_sms of our kernels (0 = automatic: 24)")
     ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
+    ap.add_argument("--no-sm-compare", action="store_true",
+                    help="skip the same-run rerun of the largest config with JAX_ENGRAM_EP_DISPATCH_CE=0 (SM stores) "
+                         "when the copy engine carries the rows")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -325,13 +328,28 @@ def main():
                 for lname in layouts:
                     expand = lname == "expand"
                     A = ARGS.alignment if expand else 1
-                    for sms in sms_list:
-                        first = sms == ARGS.sms
-                        r = time_ours(ctx, mesh, inputs, N=N, E=E, expand=expand, A=A, num_sms=sms,
-                                      do_check=first and not ARGS.no_check)
+                    path = ctx.dispatch_path(max_tokens_per_rank=N, hidden_bytes=H * np.dtype(_dtype(dname)).itemsize,
+                                             topk=K, num_experts=E)
+                    variants = [(sms, path, None) for sms in sms_list]
+                    if sweep_here and path.startswith("copy engine") and not ARGS.no_sm_compare:
+                        variants.insert(1, (ARGS.sms, "SM stores (JAX_ENGRAM_EP_DISPATCH_CE=0)", "0"))
+                    for sms, path_v, ce_env in variants:
+                        first = sms == ARGS.sms and ce_env is None
+                        old_env = os.environ.get("JAX_ENGRAM_EP_DISPATCH_CE")
+                        if ce_env is not None:  # read by the handler at every call: no recompilation needed
+                            os.environ["JAX_ENGRAM_EP_DISPATCH_CE"] = ce_env
+                        try:
+                            r = time_ours(ctx, mesh, inputs, N=N, E=E, expand=expand, A=A, num_sms=sms,
+                                          do_check=(first or ce_env is not None) and not ARGS.no_check)
+                        finally:
+                            if ce_env is not None:
+                                if old_env is None:
+                                    os.environ.pop("JAX_ENGRAM_EP_DISPATCH_CE", None)
+                                else:
+                                    os.environ["JAX_ENGRAM_EP_DISPATCH_CE"] = old_env
                         used = min(sms or 24, info.get("sms") or 10 ** 6) if on_gpu else None
                         row = dict(tokens=N, hidden=H, topk=K, experts=E, dtype=dname, layout=lname, alignment=A,
-                                   ranks=R, sms=used, num_sms_attr=sms,
+                                   ranks=R, sms=used, num_sms_attr=sms, dispatch_path=path_v,
                                    recv_rows=recv_rows, remote_rows=remote_rows, row_bytes=row_b, **r)
                         for op, rb, us in (("dispatch", row_b, r["dispatch_us"]), ("combine", crow_b, r["combine_us"])):
                             row[f"{op}_logical_gbps"] = C.gbps(rb * recv_rows, us)
@@ -345,7 +363,7 @@ def main():
                         results["runs"].append(row)
                         rows.append(row)
                         cfgs = (f"tokens={N} hidden={H} topk={K} experts={E} dtype={dname} layout={lname} A={A} "
-                                f"ranks={R} sms={row['sms']}")
+                                f"ranks={R} sms={row['sms']} rows by {path_v}")
                         chk = r.get("check")
                         pc = lambda v: "n/a" if v is None else f"{v:.0f}%"  # noqa: E731
                         sp = lambda v: "n/a" if v is None else f"{v:.1f}x"  # noqa: E731
@@ -364,6 +382,7 @@ def main():
     ctx.close()
 
     t = C.Table([("tokens", "tok"), ("dtype", "dtype"), ("layout", "layout"), ("sms", "SMs"),
+                 ("dispatch_path", "rows by"),
                  ("dispatch_us", "disp us", ".1f"), ("dispatch_physical_gbps", "disp phys GB/s", ".0f"),
                  ("dispatch_pct_ceiling", "% ceil", ".0f"), ("dispatch_speedup_vs_best_baseline", "x base", ".1f"),
                  ("combine_us", "comb us", ".1f"), ("combine_physical_gbps", "comb phys GB/s", ".0f"),

@@ -276,6 +276,19 @@ class Context:
             if e is not None:
                 raise JaxEngramError(e["message"])
 
+    def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int) -> str:
+        """How ``dispatch`` of this config moves x's rows on this context: ``"copy engine (P pieces)"`` (CUDA:
+        the whole x is copied into every peer's inbox by the copy engine; chosen when a peer receives nearly all
+        tokens, or forced by ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The
+        same on every rank. For benchmarks and diagnosis; it does not change the results."""
+        self._check_open()
+        if self.platform != "gpu" or not self._created:
+            return "pull (CPU)"
+        m = self._created[0]
+        pieces = self._native.ep_dispatch_copy_pieces(self.id, m.ordinal, int(max_tokens_per_rank), int(topk),
+                                                      int(num_experts), int(hidden_bytes))
+        return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
+
     def errors(self) -> list[dict]:
         return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]
 

@@ -72,10 +72,11 @@ def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:
 
 _INBOX_CTAS = 160  # kEpInboxCtas in ep_layout.h
 _INBOX_WARPS = 16  # kEpInboxWarps
+_CE_PIECES = 32  # kEpCeMaxPieces
 
 
 def _inbox_bytes(R: int, M: int, K: int, E: int, x_row: int, sf_row: int) -> int:
-    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS, _ALIGN)  # ctrl + progress
+    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS + 8 * _CE_PIECES, _ALIGN)  # ctrl, progress, ce flags
     off = _align(off + 4 * R, _ALIGN)           # counts
     off = _align(off + 4 * E, _ALIGN)           # exp_counts
     off = _align(off + 4 * M, _ALIGN)           # pos

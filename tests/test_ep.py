@@ -84,6 +84,25 @@ def test_two_processes_one_gpu_each(launch):
     _assert_all_pass(launch(2, WORKER, args=("--suite", "full"), platform="cuda", timeout=900), min_checks=25)
 
 
+# Copy-engine rows (kernels/cuda/ep.h): the auto policy takes them only for large batches, so these force them, in 3
+# pieces so that the pieces cut the CTA token ranges unevenly (and leave some pieces empty at small M).
+_CE_ENV = {"JAX_ENGRAM_EP_DISPATCH_CE": "1", "JAX_ENGRAM_EP_CE_PIECES": "3"}
+
+
+@pytest.mark.gpu(2)
+def test_two_gpus_one_process_copy_engine_rows():
+    res = _run_single(["--platform", "gpu", "--suite", "cases,cache,gradne,grad"], env=_CE_ENV)
+    assert res[0]["dispatch_path"] == "copy engine (3 pieces)", res[0]["dispatch_path"]
+    _assert_all_pass(res, min_checks=20)
+
+
+@pytest.mark.gpu(2)
+def test_two_processes_one_gpu_each_copy_engine_rows(launch):
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad"), platform="cuda", timeout=900, env=_CE_ENV)
+    assert all(r["dispatch_path"] == "copy engine (3 pieces)" for r in res), [r["dispatch_path"] for r in res]
+    _assert_all_pass(res, min_checks=20)
+
+
 @pytest.mark.parametrize("push", [False, True])
 def test_staging_bytes_mirror_the_layout_header(push):
     """The Python sizes of the EP staging regions (pull: CPU, push: CUDA) equal ep_layout.h's, over shapes that

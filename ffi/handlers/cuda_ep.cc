@@ -6,19 +6,25 @@
 // or ctx.check(). Sizes are kernel arguments (no recompilation per token count).
 //
 // Tuning knobs (environment, read per call; identical on every rank of a context):
-//   JAX_ENGRAM_EP_STAGE_WARPS   warps per CTA that push (default 6; expand combine 10: swept 4..12 on 2xH200); the other
-//                               warps of the 16 pull. Must be the same on every rank.
+//   JAX_ENGRAM_EP_STAGE_WARPS   warps per CTA that push (defaults: dispatch 6, with copy-engine rows 4; combine 8,
+//                               expand combine 14; swept on 2xH200); the other warps of the 16 pull.
+//   JAX_ENGRAM_EP_DISPATCH_CE   copy-engine rows for dispatch (kernels/cuda/ep.h): unset or "auto" = the policy of
+//                               ce_pieces_for below, 0 = never (SM stores), 1 = whenever the hardware allows it
+//   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 8, 1..32)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <initializer_list>
+#include <mutex>
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/cuda_ep.h"
 #include "handlers/validate.h"
 #include "jax_engram/ep_layout.h"
 #include "kernels/cuda/ep.h"
+#include "runtime/cuda_driver.h"
 #include "runtime/cuda_member.h"
 
 namespace jax_engram {
@@ -78,6 +84,103 @@ ffi::Error make_window(Member& m, Allocation& st, int64_t offset, int32_t op, Ep
   return ffi::Error::Success();
 }
 
+int env_int(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  return end && *end == 0 ? static_cast<int>(v) : fallback;
+}
+
+// Copy-engine rows (kernels/cuda/ep.h): pieces for a dispatch of this config, 0 = SM stores. Identical on every rank:
+// a function of the config (not of N, which may differ per rank), the environment and the hardware.
+// Auto policy: the whole x (N rows) goes to every peer, so only when a peer is expected to receive nearly all of a
+// rank's tokens -- share = 1 - P(none of a token's K distinct uniform experts lives on that peer) >= 95 % (2 ranks:
+// top-6 98.5 %, top-8 99.6 %; 4 ranks top-8: 90 %, not taken) -- and the rows are large enough that the copies'
+// fixed cost (a few us) is small (M x row >= 4 MiB; 128 tokens x 14 KB is not).
+int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
+  if (R < 2 || !st.stream_mem_ops || !st.ep_copy_stream || x_bytes % 16 != 0 || K < 1) return 0;
+  const char* mode = std::getenv("JAX_ENGRAM_EP_DISPATCH_CE");
+  const bool forced = mode && std::string(mode) == "1";
+  if (mode && std::string(mode) == "0") return 0;
+  if (!forced) {
+    if (M * x_bytes < (int64_t{4} << 20)) return 0;
+    const int64_t E_loc = E / R;
+    double miss = 1.0;
+    for (int64_t i = 0; i < K; ++i) miss *= E - E_loc - i > 0 ? static_cast<double>(E - E_loc - i) / (E - i) : 0.0;
+    if (1.0 - miss < 0.95) return 0;
+  }
+  return std::max(1, std::min(env_int("JAX_ENGRAM_EP_CE_PIECES", 8), kEpCeMaxPieces));
+}
+
+// Enqueues the copy-engine rows of one dispatch (p.ce_pieces > 0, p.ce_seq its sequence number) on the member's copy
+// stream, forked from XLA's stream: piece j = offsets [b_j, b_j+1) of every CTA's token range of x (rows < N) into
+// this rank's inbox slot of half ce_seq & 1 on every peer, one strided copy per piece and peer (plus one for the CTA
+// range that N cuts), then inbox ce[j] = ce_seq on that peer. The caller joins the copy stream into XLA's stream
+// after the kernel (x stays alive until the copies are done).
+// Why the peer's half is free: this stream starts after the previous dispatch-type kernel on XLA's stream, which
+// ended only once every peer had published ready for that call, i.e. had finished the call before it (the
+// two-halves argument of ep_layout.h).
+ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDispatchParams& p, const EpLaunch& l,
+                           cudaStream_t stream) {
+  constexpr int32_t op = kOpEpDispatch;
+  const int R = p.w.nranks, me = p.w.rank, P = p.ce_pieces, G = l.num_ctas;
+  const int f = ep_first_token_cta(p.M, G), per = ep_tokens_per_cta(p.M, G), nct = G - f;
+  const int64_t row = p.x_bytes;  // == L.x_row (ce_pieces_for: x_bytes % 16 == 0)
+  const uint64_t hoff = p.w.st_offset + p.L.half(p.ce_seq);
+  cudaError_t e = cudaEventRecord(st.ep_fork, stream);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(st.ep_copy_stream, st.ep_fork, 0);
+  if (e != cudaSuccess) return cuda_failure(op, "forking the copy stream", e);
+  const CudaDriver* drv = cuda_driver(nullptr);
+  for (int j = 0; j < P; ++j) {
+    const int b0 = ep_ce_piece_begin(per, P, j), b1 = ep_ce_piece_begin(per, P, j + 1);
+    // CTAs whose piece lies wholly below N (a prefix), then the one that N cuts
+    const int full = p.N >= b1 ? std::min<int64_t>(nct, (p.N - b1) / per + 1) : 0;
+    for (int d = 0; d < R; ++d) {
+      if (d == me) continue;
+      uint8_t* slot = sa.peers[d] + hoff + p.L.inbox_at(ep_inbox_slot(me, d, R));
+      uint8_t* dst = slot + p.L.inbox().x();
+      if (b1 > b0 && full > 0)
+        e = cudaMemcpy2DAsync(dst + b0 * row, per * row, p.x + b0 * row, per * row, (b1 - b0) * row, full,
+                              cudaMemcpyDeviceToDevice, st.ep_copy_stream);
+      if (e == cudaSuccess && b1 > b0 && full < nct) {
+        const int64_t lo = static_cast<int64_t>(full) * per + b0, hi = std::min<int64_t>(p.N, static_cast<int64_t>(full) * per + b1);
+        if (hi > lo)
+          e = cudaMemcpyAsync(dst + lo * row, p.x + lo * row, (hi - lo) * row, cudaMemcpyDeviceToDevice,
+                              st.ep_copy_stream);
+      }
+      if (e != cudaSuccess) return cuda_failure(op, "enqueueing the copy-engine rows", e);
+      const CUresult r = drv->cuStreamWriteValue64(reinterpret_cast<CUstream>(st.ep_copy_stream),
+                                                   reinterpret_cast<CUdeviceptr>(slot + EpInbox::kCe + 8ull * j),
+                                                   p.ce_seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+      if (r != CUDA_SUCCESS) return op_error(op, "cuStreamWriteValue64 (copy-engine piece flag) failed: " + cu_error_string(r),
+                                             ffi::ErrorCode::kInternal);
+    }
+  }
+  e = cudaEventRecord(st.ep_join, st.ep_copy_stream);
+  if (e != cudaSuccess) return cuda_failure(op, "recording the copy stream's end", e);
+  return ffi::Error::Success();
+}
+
+// Launches one dispatch-type kernel, with copy-engine rows when p.ce_pieces > 0, and counts it (the host's count is
+// the device's sequence number: see CudaMemberState::ep_dispatch_calls).
+template <typename Launch>
+ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
+                                   cudaStream_t stream, Launch launch, const char* what) {
+  constexpr int32_t op = kOpEpDispatch;
+  CudaMemberState& st = cuda_state(m);
+  std::lock_guard<std::mutex> lock(st.ep_mu);
+  p.ce_seq = st.ep_dispatch_calls + 1;
+  if (p.ce_pieces > 0)
+    if (auto err = enqueue_ce_rows(st, sa, p, l, stream); !err.success()) return err;
+  cudaError_t e = launch(p, l, stream);
+  if (e != cudaSuccess) return cuda_failure(op, what, e);
+  ++st.ep_dispatch_calls;
+  if (p.ce_pieces > 0 && (e = cudaStreamWaitEvent(stream, st.ep_join, 0)) != cudaSuccess)
+    return cuda_failure(op, "joining the copy stream", e);
+  return ffi::Error::Success();
+}
+
 ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
                           ffi::AnyBuffer topk_idx, ffi::AnyBuffer topk_weights, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
@@ -129,7 +232,8 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const EpLaunch l = launch_shape(m, num_sms, 6);
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes) : 0;
+  const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
   if (ep_dispatch_smem_bytes(c.R, c.E, l.stage_warps, nullptr, nullptr) < 0)
     return op_error(op, "ranks + experts = " + std::to_string(c.R + c.E) + " is too large for the layout kernel");
 
@@ -165,9 +269,8 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   p.num_recv = static_cast<int32_t*>(num_recv_tokens->untyped_data());
   p.group_sizes = static_cast<int32_t*>(group_sizes->untyped_data());
   p.token_out = static_cast<int32_t*>(token_out->untyped_data());
-  const cudaError_t ce = launch_ep_dispatch(p, l, stream);
-  if (ce != cudaSuccess) return cuda_failure(op, "launching the dispatch kernel", ce);
-  return ffi::Error::Success();
+  p.ce_pieces = ce;
+  return launch_dispatch_counted(m, *a, p, l, stream, launch_ep_dispatch, "launching the dispatch kernel");
 }
 
 ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
@@ -216,7 +319,8 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const EpLaunch l = launch_shape(m, num_sms, 6);
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes) : 0;
+  const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
@@ -246,9 +350,9 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   p.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
   p.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
   p.token_out = static_cast<int32_t*>(token_out->untyped_data());
-  const cudaError_t ce = launch_ep_dispatch_cached(p, l, stream);
-  if (ce != cudaSuccess) return cuda_failure(op, "launching the cached dispatch kernel", ce);
-  return ffi::Error::Success();
+  p.ce_pieces = ce;
+  return launch_dispatch_counted(m, *a, p, l, stream, launch_ep_dispatch_cached,
+                                 "launching the cached dispatch kernel");
 }
 
 ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
@@ -332,6 +436,12 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
 }
 
 }  // namespace
+
+int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
+  MemberScope s(ctx_id, ordinal, kOpEpDispatch);
+  if (!s.ok() || !s->backend_state) return -1;
+  return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCuda, EpDispatchCuda,
                               ffi::Ffi::Bind()

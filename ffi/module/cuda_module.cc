@@ -9,6 +9,7 @@
 
 #include "handlers/common.h"
 #include "module/bind_runtime.h"
+#include "handlers/cuda_ep.h"
 #include "runtime/cuda_backend.h"
 #include "runtime/cuda_nccl.h"
 
@@ -95,6 +96,10 @@ NB_MODULE(_engram_cuda, m) {
           return topology_dict(t);
         },
         nb::arg("ctx_id"), nb::arg("ordinal"));
+
+  m.def("ep_dispatch_copy_pieces", &ep_dispatch_copy_pieces, nb::arg("ctx_id"), nb::arg("ordinal"),
+        nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"),
+        "Copy-engine pieces a dispatch of this config uses on this member (0: SM stores; -1: no such member).");
 
   m.def("nccl_versions", []() {
     return nb::make_tuple(nccl_runtime_version(), nccl_build_version());

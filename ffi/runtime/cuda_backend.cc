@@ -162,6 +162,9 @@ class CudaBackend final : public Backend {
              "). Rebuild with -DCMAKE_CUDA_ARCHITECTURES=" + std::to_string(st->cc_major * 10 + st->cc_minor) + ".";
 
     auto fail = [&](const std::string& what, cudaError_t err2) {
+      if (st->ep_fork) cudaEventDestroy(st->ep_fork);
+      if (st->ep_join) cudaEventDestroy(st->ep_join);
+      if (st->ep_copy_stream) cudaStreamDestroy(st->ep_copy_stream);
       if (st->side_event) cudaEventDestroy(st->side_event);
       if (st->side_stream) cudaStreamDestroy(st->side_stream);
       if (st->error_alloc) cudaFreeHost(st->error_alloc);
@@ -186,6 +189,23 @@ class CudaBackend final : public Backend {
       st->side_event = nullptr;
       return fail("cudaEventCreateWithFlags", e);
     }
+    if ((e = cudaStreamCreateWithFlags(&st->ep_copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+      st->ep_copy_stream = nullptr;
+      return fail("cudaStreamCreateWithFlags (EP copy stream)", e);
+    }
+    if ((e = cudaEventCreateWithFlags(&st->ep_fork, cudaEventDisableTiming)) != cudaSuccess) {
+      st->ep_fork = nullptr;
+      return fail("cudaEventCreateWithFlags (EP fork)", e);
+    }
+    if ((e = cudaEventCreateWithFlags(&st->ep_join, cudaEventDisableTiming)) != cudaSuccess) {
+      st->ep_join = nullptr;
+      return fail("cudaEventCreateWithFlags (EP join)", e);
+    }
+    {
+      const CudaDriver* drv = cuda_driver(nullptr);
+      st->stream_mem_ops = drv && drv->cuStreamWriteValue64 &&
+                           cu_device_attribute(st->device, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, 0) != 0;
+    }
     m.error_host = static_cast<ErrorRecord*>(st->error_alloc);
     m.error_device = static_cast<ErrorRecord*>(dev_ptr);
     m.backend_state = st;
@@ -198,6 +218,11 @@ class CudaBackend final : public Backend {
     nccl_release_window(st);
     nccl_release_comm(st);
     CudaDeviceGuard g(st.device);
+    if (st.ep_fork) cudaEventDestroy(st.ep_fork);
+    if (st.ep_join) cudaEventDestroy(st.ep_join);
+    if (st.ep_copy_stream) cudaStreamDestroy(st.ep_copy_stream);
+    st.ep_fork = st.ep_join = nullptr;
+    st.ep_copy_stream = nullptr;
     if (st.side_event) cudaEventDestroy(st.side_event);
     if (st.side_stream) cudaStreamDestroy(st.side_stream);
     if (st.error_alloc) cudaFreeHost(st.error_alloc);

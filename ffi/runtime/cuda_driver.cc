@@ -58,6 +58,8 @@ Loaded& loaded() {
             resolve("cuMemExportToShareableHandle", &t.cuMemExportToShareableHandle, &err) &&
             resolve("cuMemImportFromShareableHandle", &t.cuMemImportFromShareableHandle, &err);
     x->error = err;
+    std::string optional_err;
+    if (!resolve("cuStreamWriteValue64", &t.cuStreamWriteValue64, &optional_err)) t.cuStreamWriteValue64 = nullptr;
     return x;
   }();
   return *l;

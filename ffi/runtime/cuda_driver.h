@@ -25,6 +25,8 @@ struct CudaDriver {
   PFN_cuMemSetAccess_v10020 cuMemSetAccess = nullptr;
   PFN_cuMemExportToShareableHandle_v10020 cuMemExportToShareableHandle = nullptr;
   PFN_cuMemImportFromShareableHandle_v10020 cuMemImportFromShareableHandle = nullptr;
+  // Optional (nullptr when the driver lacks it; its users fall back): the EP copy-engine dispatch's flags.
+  PFN_cuStreamWriteValue64_v11070 cuStreamWriteValue64 = nullptr;
 };
 
 // The table, resolved once (thread-safe). nullptr and *err set if the CUDA runtime or driver is unusable

@@ -187,6 +187,11 @@ std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_ex
       s += "index out of range in mode='checked': id " + to_string(e.observed) + " at flat position " +
            to_string(e.detail) + " is not in [0, " + to_string(e.expected) + ")";
       break;
+    case kErrSequence:
+      s += "the handler counted " + to_string(e.expected) + " dispatch calls on this context but the device " +
+           to_string(e.observed) + " (copy-engine dispatch: the copies chose the staging half by the host's count). "
+           "An op was launched without its handler running (e.g. replayed from a CUDA graph) or failed to launch";
+      break;
     default:
       s += "error code " + to_string(e.code);
   }

@@ -581,12 +581,15 @@ want = args.suite.split(",")
 if "full" in want:
     want = ["cases", "cache", "gradne", "grad", "errors"]
 ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+dispatch_path = None
 try:
     for s in want:
         if s == "errors" or s == "example":
             continue
         SUITES[s](ctx)
     ctx.check()
+    # how dispatch moves rows for a small case on this machine (tests that force the copy engine assert it)
+    dispatch_path = ctx.dispatch_path(max_tokens_per_rank=4, hidden_bytes=256, topk=8, num_experts=8 * R)
 finally:
     ctx.close()
 for s in want:
@@ -598,6 +601,6 @@ print(f"SUMMARY ep_check: {len(results) - len(failed)} passed, {len(failed)} fai
       f"{jax.process_count()} processes, {time.time() - T0:.1f}s){' FAILED: ' + ', '.join(failed) if failed else ''}",
       flush=True)
 launch.emit_result({"checks": results, "devices": R, "processes": jax.process_count(),
-                    "platform": devices[0].platform})
+                    "platform": devices[0].platform, "dispatch_path": dispatch_path})
 launch.shutdown()
 sys.exit(0 if all(results.values()) and results else 1)

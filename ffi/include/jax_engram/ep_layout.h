@@ -128,19 +128,23 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 //   ctrl        uint64 flag (= seq once the header below is valid), bad (= seq if the source's input is bad),
 //               bad_detail, bad_value, n (the source's N), then progress[kEpInboxCtas][kEpInboxWarps]:
 //               progress[c][w] = (seq << 32) | n once stage warp w of source CTA c pushed its first n chunks
-//               (release, system scope; one word per warp so that no warp waits for another one's stores)
+//               (release, system scope; one word per warp so that no warp waits for another one's stores),
+//               ce[kEpCeMaxPieces]: ce[j] = seq once the source's copy engine wrote piece j of its x rows (copy-engine
+//               dispatch, ep.h "copy-engine rows"; written by the source's stream after the copy, not by a kernel)
 //   counts      int32[R], exp_counts int32[E]   the source's totals (header)
 //   pos         int32[M]          pos_rank_s[t, d] (or -1), for every t < N_s
 //   topk_idx, weights, pos_exp    [M, K] rows of the tokens sent to d
 //   x, scales   [M] rows of the tokens sent to d (row t = token t)
 inline constexpr int kEpInboxCtas = 160;  // the most CTAs an EP kernel may use
 inline constexpr int kEpInboxWarps = 16;  // the most stage warps per CTA
+inline constexpr int kEpCeMaxPieces = 32; // the most copy-engine pieces of a dispatch (ep.h)
 JE_HD uint64_t ep_progress_index(int64_t cta, int64_t warp) { return (uint64_t)(cta * kEpInboxWarps + warp); }
 JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R) % R - 1; }
 struct EpInbox {
   int64_t R, M, K, E, x_row, sf_row;
   static constexpr uint64_t kFlag = 0, kBad = 8, kBadDetail = 16, kBadValue = 24, kN = 32, kProgress = 64;
-  JE_HD uint64_t counts() const { return align_up(kProgress + 8ull * kEpInboxCtas * kEpInboxWarps, kEpAlign); }
+  static constexpr uint64_t kCe = kProgress + 8ull * kEpInboxCtas * kEpInboxWarps;
+  JE_HD uint64_t counts() const { return align_up(kCe + 8ull * kEpCeMaxPieces, kEpAlign); }
   JE_HD uint64_t exp_counts() const { return align_up(counts() + 4 * R, kEpAlign); }
   JE_HD uint64_t pos() const { return align_up(exp_counts() + 4 * E, kEpAlign); }
   JE_HD uint64_t topk_idx() const { return align_up(pos() + 4 * M, kEpAlign); }

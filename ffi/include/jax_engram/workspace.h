@@ -48,6 +48,7 @@ enum ErrorCode : int32_t {
   kErrTimeout = 1,        // a wait on `peer` did not complete within the context timeout
   kErrBadInput = 2,       // invalid data found on the device (duplicate expert id, bad token count, ...)
   kErrIdOutOfRange = 3,   // Engram "checked" mode: first out-of-range id in `detail`
+  kErrSequence = 4,       // EP copy-engine dispatch: the host's call count (expected) differs from the device's
 };
 
 struct ErrorRecord {

@@ -80,6 +80,11 @@ struct EpDispatchParams {
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
+  // Copy-engine rows (see "copy-engine rows" below): 0 = the stage warps store x rows to the peers; P > 0 = the
+  // handler's copy stream wrote them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
+  // sequence number ce_seq (the host's count of dispatch-type calls: the copies chose the half by it).
+  int32_t ce_pieces = 0;
+  uint64_t ce_seq = 0;
 };
 
 enum class EpDtype : int { kBF16 = 0, kF32 = 1 };
@@ -160,6 +165,30 @@ JE_HD int ep_chunk_begin(int t0, int len, int nch, int li) {
 // The chunk holding token t of that range (t0 <= t < t0 + len): the largest li with ep_chunk_begin(li) <= t.
 JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
   return static_cast<int>((static_cast<int64_t>(t - t0 + 1) * nch + len - 1) / len) - 1;
+}
+
+// Copy-engine rows. The copy engine reaches ~390 GB/s per direction over NVLink where SM and TMA stores stop at
+// ~345 (benchmarks/probe_nvlink.cu, results/probe_tma_2xh200.log), but it cannot follow the layout: its sizes are
+// fixed when the handler enqueues it. The inbox is indexed by token, so it does not need to: when (almost) every
+// token goes to every peer (2 ranks at top-8, say), the handler copies x's N rows whole into this rank's inbox slot
+// on every peer, on its own stream beside the kernel, and the kernel's stage warps push only the routing rows.
+// Unused rows cross too; the policy (cuda_ep.cc) accepts that only when the expected share is high.
+// The rows go in P pieces so that receivers copy while the rest is still in flight: piece j is the range offsets
+// [ep_ce_piece_begin(per, P, j), ep_ce_piece_begin(per, P, j + 1)) of EVERY CTA's token range (per =
+// ep_tokens_per_cta), one strided copy per piece, so all CTAs receive in step and the tail after the last piece is
+// 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot.
+JE_HD int ep_ce_piece_begin(int per, int P, int j) { return static_cast<int>(static_cast<int64_t>(per) * j / P); }
+// The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
+JE_HD int ep_ce_piece_of(int off, int per, int P) {
+  return static_cast<int>((static_cast<int64_t>(off + 1) * P - 1) / per);
+}
+// Chunks per CTA with copy-engine rows: the stage warps only push routing rows, so chunks are small (~2 tokens):
+// a chunk is also the pull warps' unit of work, and after the last piece lands each CTA's share of it must spread
+// over all of its pull warps. A multiple of stage_warps.
+inline int32_t ep_ce_chunks(int64_t per_cta, int64_t stage_warps) {
+  const int64_t n = (per_cta + 1) / 2;
+  const int64_t m = (n + stage_warps - 1) / stage_warps;
+  return static_cast<int32_t>((m < 1 ? 1 : m) * stage_warps);
 }
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.

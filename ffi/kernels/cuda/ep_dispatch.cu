@@ -126,6 +126,29 @@ JE_DEVICE bool warp_wait_local(const uint64_t* w, uint64_t target, const EpWindo
   return ok != 0;
 }
 
+// Copy-engine rows: waits (whole warp) until piece j of source s's x rows is in the own slot `sl`, unless this warp
+// already saw it (*seen = s * kEpCeMaxPieces + j of the last piece waited for; pieces arrive in order). False on
+// failure (timeout recorded).
+JE_DEVICE bool wait_ce_piece(const EpDispatchParams& p, const Slot& sl, int s, int j, uint64_t seq, int* seen,
+                             int lane) {
+  const int key = s * kEpCeMaxPieces + j;
+  if (*seen >= key && *seen / kEpCeMaxPieces == s) return true;
+  if (!warp_wait_local(sl.ctrl(EpInbox::kCe + 8ull * j), seq, p.w, kOpEpDispatch, s, lane)) return false;
+  *seen = key;
+  return true;
+}
+
+// Copy-engine rows: the handler chose the staging half by its own count of dispatch-type calls; a call whose
+// device sequence number differs would read (and its peers' copies would have written) the wrong half. Recorded
+// as kErrSequence by one thread; the call then publishes nothing (its peers time out).
+JE_DEVICE bool ce_sequence_ok(const EpDispatchParams& p, uint64_t seq) {
+  if (!p.ce_pieces || seq == p.ce_seq) return true;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    cuda::record_error_device(p.w.err, kErrSequence, kOpEpDispatch, p.w.rank, p.w.rank,
+                              static_cast<int64_t>(p.ce_seq), static_cast<int64_t>(seq), 0, 0);
+  return false;
+}
+
 // Publishes progress[c][warp] = (seq << 32) | n on every peer's slot of this rank. Whole warp, after its pushes.
 JE_DEVICE void publish_progress(const EpDispatchParams& p, uint64_t hoff, uint64_t seq, int n, int warp, int lane) {
   __threadfence_system();
@@ -204,7 +227,8 @@ JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t h
     }
     const unsigned dm = __ballot_sync(kFull, pos >= 0);
     if (!dm) continue;
-    warp_push(p.x + t * p.x_bytes, dm, pos >= 0 ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
+    if (!p.ce_pieces)  // else the copy engine carries the x rows (ep.h "copy-engine rows")
+      warp_push(p.x + t * p.x_bytes, dm, pos >= 0 ? sl.x + t * p.L.x_row : nullptr, p.x_bytes, lane);
     if (p.sf_bytes) warp_push(p.sf + t * p.sf_bytes, dm, pos >= 0 ? sl.sf + t * p.L.sf_row : nullptr, p.sf_bytes, lane);
     // routing rows: lane k < K of each destination in turn
     const int32_t id = (meta && lane < K) ? own.topk[tK + lane] : -1;
@@ -409,7 +433,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     cta_counts[static_cast<int64_t>(c) * RE + q] = run;
   }
   if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
-  const bool iabort = !grid_sync(ws, p.w, kOpEpDispatch);  // internal failure: publish nothing, peers time out
+  // internal failure (grid barrier timeout, sequence mismatch): publish nothing, peers time out
+  const bool synced = grid_sync(ws, p.w, kOpEpDispatch);
+  const bool iabort = !synced || !ce_sequence_ok(p, seq);
   EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
   // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
@@ -621,6 +647,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   }
 
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
+  const int per = ep_tokens_per_cta(M, G);
+  int ce_seen = -1;
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
@@ -634,6 +662,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), Ns);
     if (cb >= ce) continue;
     if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
+      return;
+    if (!self && p.ce_pieces &&
+        !wait_ce_piece(p, sl, s, ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces), seq, &ce_seen, lane))
       return;
     int pos = -1;
     if (lane < ce - cb) pos = self ? own.pos_rank[static_cast<int64_t>(cb + lane) * R + me] : __ldcg(sl.pos + cb + lane);
@@ -693,6 +724,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   }
   __syncthreads();
   const uint64_t seq = sh_seq;
+  if (!ce_sequence_ok(p, seq)) return;  // publishes nothing: the peers time out
   const uint64_t hoff = p.w.st_offset + p.L.half(seq);
   const Half own = half_at(p.w.st_own + hoff, p.L);
   const Tables tb = tables_at(smem, p.smem_tables, R, E_loc);
@@ -740,7 +772,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
                                 ep_bad_detail(0, kEpBadHandle));
     num_recv = 0;
   }
-  int last_s = -1, last_c = -1, last_li = -1;
+  int last_s = -1, last_c = -1, last_li = -1, ce_seen = -1;
+  const int per = ep_tokens_per_cta(M, G);
   for (int blk = c * PW + pw; blk * 32 < num_recv; blk += G * PW) {
     const int i = blk * 32 + lane;
     int gid = -1;
@@ -769,6 +802,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
         last_s = s;
         last_c = sc;
         last_li = sli;
+      }
+      // a piece covers the same offsets of every source CTA's range, so the piece index steps back when these rows
+      // cross into the next CTA's range; pieces land in order, so having seen a later one is enough
+      if (s != me && p.ce_pieces) {
+        const int j = ep_ce_piece_of(t - sb, per, p.ce_pieces);
+        if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
       }
       pull_cached(p, sl, s, t, blk * 32 + b, lane);
     }
@@ -848,7 +887,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
     p.smem_topk = static_cast<int32_t>(cache);
     total = cache + cache_bytes;
   }
-  p.chunk = ep_dispatch_chunks(tpc, l.stage_warps);
+  p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(total), stream);
 }
@@ -857,7 +896,8 @@ cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cud
   const int R = p.w.nranks;
   p.layout_warps = 0;
   p.smem_tables = 0;
-  p.chunk = ep_dispatch_chunks(ep_tokens_per_cta(p.M, l.num_ctas), l.stage_warps);
+  const int64_t tpc = ep_tokens_per_cta(p.M, l.num_ctas);
+  p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   const int smem = (ep::tables_bytes(R, p.E / R) + 15) / 16 * 16;
   return ep::launch(ep::dispatch_cached_kernel, p, l, smem, stream);
 }
