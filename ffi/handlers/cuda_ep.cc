@@ -14,6 +14,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
 #include <cstdlib>
 #include <initializer_list>
 #include <mutex>
@@ -162,6 +166,51 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
   return ffi::Error::Success();
 }
 
+// Diagnosis of the copy-engine dispatch (JAX_ENGRAM_EP_TRACE >= 1): per call, timing events on XLA's stream at the
+// fork, after the kernel and after the join, and on the copy stream after its last piece; printed (EPHOST lines)
+// once complete, with the handler's own host time. A ring, because the host usually runs calls ahead.
+struct CeTrace {
+  static constexpr int kRing = 16;
+  cudaEvent_t ev[kRing][4] = {};
+  double host_us[kRing] = {};
+  uint64_t seq[kRing] = {};
+  int head = 0, tail = 0;  // calls [tail, head) recorded, not yet printed
+  bool ok = false;
+};
+
+CeTrace& ce_trace(const Member& m) {
+  static std::mutex mu;
+  static auto* table = new std::map<std::pair<int64_t, int32_t>, std::unique_ptr<CeTrace>>();  // leaked
+  std::lock_guard<std::mutex> lock(mu);
+  auto& t = (*table)[{m.ctx_id, m.ordinal}];
+  if (!t) {
+    t = std::make_unique<CeTrace>();
+    t->ok = true;
+    for (auto& row : t->ev)
+      for (auto& e : row) t->ok = t->ok && cudaEventCreate(&e) == cudaSuccess;
+  }
+  return *t;
+}
+
+void ce_trace_drain(CeTrace& t, const Member& m) {
+  while (t.tail < t.head) {
+    const int i = t.tail % CeTrace::kRing;
+    if (cudaEventQuery(t.ev[i][3]) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    float ce = 0, kern = 0, total = 0;
+    cudaEventElapsedTime(&ce, t.ev[i][0], t.ev[i][1]);
+    cudaEventElapsedTime(&kern, t.ev[i][0], t.ev[i][2]);
+    cudaEventElapsedTime(&total, t.ev[i][0], t.ev[i][3]);
+    std::printf("EPHOST dispatch rank %d seq %llu: copies %.1f us, kernel %.1f us, op %.1f us (from the fork); "
+                "handler host time %.1f us\n", m.rank, static_cast<unsigned long long>(t.seq[i]), ce * 1e3, kern * 1e3,
+                total * 1e3, t.host_us[i]);
+    std::fflush(stdout);
+    ++t.tail;
+  }
+}
+
 // Launches one dispatch-type kernel, with copy-engine rows when p.ce_pieces > 0, and counts it (the host's count is
 // the device's sequence number: see CudaMemberState::ep_dispatch_calls).
 template <typename Launch>
@@ -170,14 +219,31 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   constexpr int32_t op = kOpEpDispatch;
   CudaMemberState& st = cuda_state(m);
   std::lock_guard<std::mutex> lock(st.ep_mu);
+  const auto h0 = std::chrono::steady_clock::now();
+  CeTrace* tr = p.ce_pieces > 0 && ep_trace_level() >= 1 ? &ce_trace(m) : nullptr;
+  if (tr && (!tr->ok || tr->head - tr->tail >= CeTrace::kRing)) {
+    if (tr->ok) ce_trace_drain(*tr, m);
+    if (!tr->ok || tr->head - tr->tail >= CeTrace::kRing) tr = nullptr;
+  }
+  const int ti = tr ? tr->head % CeTrace::kRing : 0;
   p.ce_seq = st.ep_dispatch_calls + 1;
+  if (tr) cudaEventRecord(tr->ev[ti][0], stream);
   if (p.ce_pieces > 0)
     if (auto err = enqueue_ce_rows(st, sa, p, l, stream); !err.success()) return err;
+  if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_stream);
   cudaError_t e = launch(p, l, stream);
   if (e != cudaSuccess) return cuda_failure(op, what, e);
   ++st.ep_dispatch_calls;
+  if (tr) cudaEventRecord(tr->ev[ti][2], stream);
   if (p.ce_pieces > 0 && (e = cudaStreamWaitEvent(stream, st.ep_join, 0)) != cudaSuccess)
     return cuda_failure(op, "joining the copy stream", e);
+  if (tr) {
+    cudaEventRecord(tr->ev[ti][3], stream);
+    tr->host_us[ti] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
+    tr->seq[ti] = p.ce_seq;
+    ++tr->head;
+    ce_trace_drain(*tr, m);
+  }
   return ffi::Error::Success();
 }
 
