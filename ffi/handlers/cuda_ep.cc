@@ -171,7 +171,7 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
 // once complete, with the handler's own host time. A ring, because the host usually runs calls ahead.
 struct CeTrace {
   static constexpr int kRing = 16;
-  cudaEvent_t ev[kRing][4] = {};
+  cudaEvent_t ev[kRing][5] = {};  // fork, copies end, kernel end, join, kernel launch
   double host_us[kRing] = {};
   uint64_t seq[kRing] = {};
   int head = 0, tail = 0;  // calls [tail, head) recorded, not yet printed
@@ -199,13 +199,14 @@ void ce_trace_drain(CeTrace& t, const Member& m) {
       cudaGetLastError();
       return;
     }
-    float ce = 0, kern = 0, total = 0;
+    float ce = 0, kern = 0, total = 0, launch = 0;
+    cudaEventElapsedTime(&launch, t.ev[i][0], t.ev[i][4]);
     cudaEventElapsedTime(&ce, t.ev[i][0], t.ev[i][1]);
     cudaEventElapsedTime(&kern, t.ev[i][0], t.ev[i][2]);
     cudaEventElapsedTime(&total, t.ev[i][0], t.ev[i][3]);
-    std::printf("EPHOST dispatch rank %d seq %llu: copies %.1f us, kernel %.1f us, op %.1f us (from the fork); "
-                "handler host time %.1f us\n", m.rank, static_cast<unsigned long long>(t.seq[i]), ce * 1e3, kern * 1e3,
-                total * 1e3, t.host_us[i]);
+    std::printf("EPHOST dispatch rank %d seq %llu: kernel launched %.1f us, copies end %.1f us, kernel end %.1f us, "
+                "op end %.1f us (from the fork); handler host time %.1f us\n", m.rank,
+                static_cast<unsigned long long>(t.seq[i]), launch * 1e3, ce * 1e3, kern * 1e3, total * 1e3, t.host_us[i]);
     std::fflush(stdout);
     ++t.tail;
   }
@@ -231,6 +232,7 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   if (p.ce_pieces > 0)
     if (auto err = enqueue_ce_rows(st, sa, p, l, stream); !err.success()) return err;
   if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_stream);
+  if (tr) cudaEventRecord(tr->ev[ti][4], stream);
   cudaError_t e = launch(p, l, stream);
   if (e != cudaSuccess) return cuda_failure(op, what, e);
   ++st.ep_dispatch_calls;

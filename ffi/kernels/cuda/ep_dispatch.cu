@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
   __shared__ unsigned long long sh_bad;
-  __shared__ int sh_abort, sh_next, sh_done;
+  __shared__ int sh_abort, sh_next, sh_done, sh_piece_seen;
   __shared__ uint64_t sh_t0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int G = gridDim.x, c = blockIdx.x;
@@ -379,6 +379,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     sh_abort = 0;
     sh_next = 0;
     sh_done = 0;
+    sh_piece_seen = 0;
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
@@ -663,9 +664,15 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     if (cb >= ce) continue;
     if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
-    if (!self && p.ce_pieces &&
-        !wait_ce_piece(p, sl, s, ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces), seq, &ce_seen, lane))
-      return;
+    if (!self && p.ce_pieces) {
+      const int j = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
+      if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
+      if (p.trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
+        const int bit = j == 0 ? 1 : 2;
+        if (!(atomicOr(&sh_piece_seen, bit) & bit))
+          EP_TRACE(p, sh_t0, j == 0 ? "dispatch ce piece 0 in" : "dispatch ce last piece in", true);
+      }
+    }
     int pos = -1;
     if (lane < ce - cb) pos = self ? own.pos_rank[static_cast<int64_t>(cb + lane) * R + me] : __ldcg(sl.pos + cb + lane);
     unsigned vm = __ballot_sync(kFull, pos >= 0);
