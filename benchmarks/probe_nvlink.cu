@@ -353,6 +353,48 @@ uint8_t* vmm_alloc(int dev, size_t bytes) {
   return reinterpret_cast<uint8_t*>(va);
 }
 
+// ---- the copy-engine dispatch's pattern (ffi/handlers/cuda_ep.cc): x's rows into the peer's cuMem window, in P
+// strided pieces (piece j = the same offsets of each of 24 token ranges), each followed by a flag write on the peer
+// (cuStreamWriteValue64); `ctas` = P. Variants: plain 1D into cuMem, 1D pieces + flags, 2D pieces with / without
+// flags, and 2D pieces + flags while 24 CTAs copy locally on the same GPU (the receivers' work).
+constexpr int64_t kRow = 14336, kRanges = 24;
+static cudaStream_t g_st2[2];
+static cudaEvent_t g_ev2[2];
+template <bool kTwoD, bool kFlags, bool kLocal>
+void ce_pieces(int dev, const Dev* d, int peer, int P, size_t bytes) {
+  static const auto write64 = driver_fn<decltype(&cuStreamWriteValue64)>("cuStreamWriteValue64");
+  const int64_t rows = bytes / kRow, per = (rows + kRanges - 1) / kRanges;
+  uint8_t* dst = d[peer].vtable;
+  uint64_t* flag = reinterpret_cast<uint64_t*>(d[peer].vtable + (size_t(1) << 30) - 4096);
+  if (kLocal) {
+    CK(cudaEventRecord(g_ev2[dev], d[dev].st));
+    CK(cudaStreamWaitEvent(g_st2[dev], g_ev2[dev], 0));
+    copy_kernel<8><<<24, kThreads, 0, g_st2[dev]>>>((const uint4*)d[dev].table, (uint4*)(d[dev].table + 2 * bytes),
+                                                   2 * bytes / 16);
+  }
+  for (int j = 0; j < P; ++j) {
+    if (kTwoD) {
+      const int64_t b0 = per * j / P, b1 = per * (j + 1) / P, full = std::min<int64_t>(kRanges, rows / per);
+      if (b1 > b0)
+        CK(cudaMemcpy2DAsync(dst + b0 * kRow, per * kRow, d[dev].a + b0 * kRow, per * kRow, (b1 - b0) * kRow, full,
+                             cudaMemcpyDeviceToDevice, d[dev].st));
+    } else {
+      const size_t o0 = bytes / kRow * j / P * kRow, o1 = bytes / kRow * (j + 1) / P * kRow;
+      CK(cudaMemcpyAsync(dst + o0, d[dev].a + o0, o1 - o0, cudaMemcpyDeviceToDevice, d[dev].st));
+    }
+    if (kFlags) CU(write64(reinterpret_cast<CUstream>(d[dev].st), reinterpret_cast<CUdeviceptr>(flag + j), j + 1, 0));
+  }
+  if (kLocal) {
+    CK(cudaEventRecord(g_ev2[dev], g_st2[dev]));
+    CK(cudaStreamWaitEvent(d[dev].st, g_ev2[dev], 0));
+  }
+}
+
+void local_copy24(int dev, const Dev* d, int, int, size_t bytes) {  // the local copy of ce_pieces<.., true> alone
+  copy_kernel<8><<<24, kThreads, 0, d[dev].st>>>((const uint4*)d[dev].table, (uint4*)(d[dev].table + 2 * bytes),
+                                                 2 * bytes / 16);
+}
+
 void tma_read(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
   tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[peer].a, d[dev].b, bytes);
 }
@@ -403,6 +445,27 @@ int main(int argc, char** argv) {
       for (int dirs = 1; dirs <= 2; ++dirs)
         for (int c : {8, 16, 24, 32, 66}) {
           std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes));
+          std::fflush(stdout);
+        }
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "ce_dispatch") {  // bytes: e.g. 56 (MiB, 4096 rows of 14 KiB)
+    for (int i = 0; i < 2; ++i) {
+      CK(cudaSetDevice(i));
+      CK(cudaStreamCreateWithFlags(&g_st2[i], cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&g_ev2[i], cudaEventDisableTiming));
+    }
+    for (int dirs = 1; dirs <= 2; ++dirs) std::printf("%-13s %4d %5s %9.1f\n", "ce", dirs, "-", run(ce, dirs, 0, bytes));
+    const P cv[] = {{"ce_vmm_1d", ce_pieces<false, false, false>}, {"ce_vmm_1d_f", ce_pieces<false, true, false>},
+                    {"ce_vmm_2d", ce_pieces<true, false, false>}, {"ce_vmm_2d_f", ce_pieces<true, true, false>},
+                    {"ce_vmm_2d_f_loc", ce_pieces<true, true, true>}};
+    std::printf("%-13s %4d %5d %9.1f   (24 CTAs copying 2x the bytes locally; GB/s of the CE-equivalent bytes)\n",
+                "local_copy", 1, 24, run(local_copy24, 1, 24, bytes));
+    std::printf("(ctas column = pieces)\n");
+    for (const P& p : cv)
+      for (int dirs = 1; dirs <= 2; ++dirs)
+        for (int P : {1, 4, 8, 16}) {
+          std::printf("%-15s %4d %5d %9.1f\n", p.name, dirs, P, run(p.f, dirs, P, bytes));
           std::fflush(stdout);
         }
     return 0;
