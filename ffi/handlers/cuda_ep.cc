@@ -103,7 +103,7 @@ int env_int(const char* name, int fallback) {
 // top-6 98.5 %, top-8 99.6 %; 4 ranks top-8: 90 %, not taken) -- and the rows are large enough that the copies'
 // fixed cost (a few us) is small (M x row >= 4 MiB; 128 tokens x 14 KB is not).
 int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
-  if (R < 2 || !st.stream_mem_ops || !st.ep_copy_stream || x_bytes % 16 != 0 || K < 1) return 0;
+  if (R < 2 || !st.stream_mem_ops || !st.ep_copy_streams[1] || x_bytes % 16 != 0 || K < 1) return 0;
   const char* mode = std::getenv("JAX_ENGRAM_EP_DISPATCH_CE");
   const bool forced = mode && std::string(mode) == "1";
   if (mode && std::string(mode) == "0") return 0;
@@ -132,11 +132,13 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
   const int f = ep_first_token_cta(p.M, G), per = ep_tokens_per_cta(p.M, G), nct = G - f;
   const int64_t row = p.x_bytes;  // == L.x_row (ce_pieces_for: x_bytes % 16 == 0)
   const uint64_t hoff = p.w.st_offset + p.L.half(p.ce_seq);
+  constexpr int NS = CudaMemberState::kEpCopyStreams;
   cudaError_t e = cudaEventRecord(st.ep_fork, stream);
-  if (e == cudaSuccess) e = cudaStreamWaitEvent(st.ep_copy_stream, st.ep_fork, 0);
-  if (e != cudaSuccess) return cuda_failure(op, "forking the copy stream", e);
+  for (int i = 0; i < NS && e == cudaSuccess; ++i) e = cudaStreamWaitEvent(st.ep_copy_streams[i], st.ep_fork, 0);
+  if (e != cudaSuccess) return cuda_failure(op, "forking the copy streams", e);
   const CudaDriver* drv = cuda_driver(nullptr);
   for (int j = 0; j < P; ++j) {
+    cudaStream_t cs = st.ep_copy_streams[j % NS];
     const int b0 = ep_ce_piece_begin(per, P, j), b1 = ep_ce_piece_begin(per, P, j + 1);
     // CTAs whose piece lies wholly below N (a prefix), then the one that N cuts
     const int full = p.N >= b1 ? std::min<int64_t>(nct, (p.N - b1) / per + 1) : 0;
@@ -146,23 +148,22 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
       uint8_t* dst = slot + p.L.inbox().x();
       if (b1 > b0 && full > 0)
         e = cudaMemcpy2DAsync(dst + b0 * row, per * row, p.x + b0 * row, per * row, (b1 - b0) * row, full,
-                              cudaMemcpyDeviceToDevice, st.ep_copy_stream);
+                              cudaMemcpyDeviceToDevice, cs);
       if (e == cudaSuccess && b1 > b0 && full < nct) {
         const int64_t lo = static_cast<int64_t>(full) * per + b0, hi = std::min<int64_t>(p.N, static_cast<int64_t>(full) * per + b1);
         if (hi > lo)
-          e = cudaMemcpyAsync(dst + lo * row, p.x + lo * row, (hi - lo) * row, cudaMemcpyDeviceToDevice,
-                              st.ep_copy_stream);
+          e = cudaMemcpyAsync(dst + lo * row, p.x + lo * row, (hi - lo) * row, cudaMemcpyDeviceToDevice, cs);
       }
       if (e != cudaSuccess) return cuda_failure(op, "enqueueing the copy-engine rows", e);
-      const CUresult r = drv->cuStreamWriteValue64(reinterpret_cast<CUstream>(st.ep_copy_stream),
+      const CUresult r = drv->cuStreamWriteValue64(reinterpret_cast<CUstream>(cs),
                                                    reinterpret_cast<CUdeviceptr>(slot + EpInbox::kCe + 8ull * j),
                                                    p.ce_seq, CU_STREAM_WRITE_VALUE_DEFAULT);
       if (r != CUDA_SUCCESS) return op_error(op, "cuStreamWriteValue64 (copy-engine piece flag) failed: " + cu_error_string(r),
                                              ffi::ErrorCode::kInternal);
     }
   }
-  e = cudaEventRecord(st.ep_join, st.ep_copy_stream);
-  if (e != cudaSuccess) return cuda_failure(op, "recording the copy stream's end", e);
+  for (int i = 0; i < NS && e == cudaSuccess; ++i) e = cudaEventRecord(st.ep_joins[i], st.ep_copy_streams[i]);
+  if (e != cudaSuccess) return cuda_failure(op, "recording the copy streams' end", e);
   return ffi::Error::Success();
 }
 
@@ -231,14 +232,15 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   if (tr) cudaEventRecord(tr->ev[ti][0], stream);
   if (p.ce_pieces > 0)
     if (auto err = enqueue_ce_rows(st, sa, p, l, stream); !err.success()) return err;
-  if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_stream);
+  if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_streams[(p.ce_pieces - 1) % CudaMemberState::kEpCopyStreams]);
   if (tr) cudaEventRecord(tr->ev[ti][4], stream);
   cudaError_t e = launch(p, l, stream);
   if (e != cudaSuccess) return cuda_failure(op, what, e);
   ++st.ep_dispatch_calls;
   if (tr) cudaEventRecord(tr->ev[ti][2], stream);
-  if (p.ce_pieces > 0 && (e = cudaStreamWaitEvent(stream, st.ep_join, 0)) != cudaSuccess)
-    return cuda_failure(op, "joining the copy stream", e);
+  for (int i = 0; i < CudaMemberState::kEpCopyStreams && p.ce_pieces > 0; ++i)
+    if ((e = cudaStreamWaitEvent(stream, st.ep_joins[i], 0)) != cudaSuccess)
+      return cuda_failure(op, "joining the copy streams", e);
   if (tr) {
     cudaEventRecord(tr->ev[ti][3], stream);
     tr->host_us[ti] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();

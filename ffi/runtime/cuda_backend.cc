@@ -163,8 +163,10 @@ class CudaBackend final : public Backend {
 
     auto fail = [&](const std::string& what, cudaError_t err2) {
       if (st->ep_fork) cudaEventDestroy(st->ep_fork);
-      if (st->ep_join) cudaEventDestroy(st->ep_join);
-      if (st->ep_copy_stream) cudaStreamDestroy(st->ep_copy_stream);
+      for (auto& ev : st->ep_joins)
+        if (ev) cudaEventDestroy(ev);
+      for (auto& cs : st->ep_copy_streams)
+        if (cs) cudaStreamDestroy(cs);
       if (st->side_event) cudaEventDestroy(st->side_event);
       if (st->side_stream) cudaStreamDestroy(st->side_stream);
       if (st->error_alloc) cudaFreeHost(st->error_alloc);
@@ -189,17 +191,19 @@ class CudaBackend final : public Backend {
       st->side_event = nullptr;
       return fail("cudaEventCreateWithFlags", e);
     }
-    if ((e = cudaStreamCreateWithFlags(&st->ep_copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
-      st->ep_copy_stream = nullptr;
-      return fail("cudaStreamCreateWithFlags (EP copy stream)", e);
+    for (int i = 0; i < CudaMemberState::kEpCopyStreams; ++i) {
+      if ((e = cudaStreamCreateWithFlags(&st->ep_copy_streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
+        st->ep_copy_streams[i] = nullptr;
+        return fail("cudaStreamCreateWithFlags (EP copy stream)", e);
+      }
+      if ((e = cudaEventCreateWithFlags(&st->ep_joins[i], cudaEventDisableTiming)) != cudaSuccess) {
+        st->ep_joins[i] = nullptr;
+        return fail("cudaEventCreateWithFlags (EP join)", e);
+      }
     }
     if ((e = cudaEventCreateWithFlags(&st->ep_fork, cudaEventDisableTiming)) != cudaSuccess) {
       st->ep_fork = nullptr;
       return fail("cudaEventCreateWithFlags (EP fork)", e);
-    }
-    if ((e = cudaEventCreateWithFlags(&st->ep_join, cudaEventDisableTiming)) != cudaSuccess) {
-      st->ep_join = nullptr;
-      return fail("cudaEventCreateWithFlags (EP join)", e);
     }
     {
       const CudaDriver* drv = cuda_driver(nullptr);
@@ -219,10 +223,13 @@ class CudaBackend final : public Backend {
     nccl_release_comm(st);
     CudaDeviceGuard g(st.device);
     if (st.ep_fork) cudaEventDestroy(st.ep_fork);
-    if (st.ep_join) cudaEventDestroy(st.ep_join);
-    if (st.ep_copy_stream) cudaStreamDestroy(st.ep_copy_stream);
-    st.ep_fork = st.ep_join = nullptr;
-    st.ep_copy_stream = nullptr;
+    st.ep_fork = nullptr;
+    for (int i = 0; i < CudaMemberState::kEpCopyStreams; ++i) {
+      if (st.ep_joins[i]) cudaEventDestroy(st.ep_joins[i]);
+      if (st.ep_copy_streams[i]) cudaStreamDestroy(st.ep_copy_streams[i]);
+      st.ep_joins[i] = nullptr;
+      st.ep_copy_streams[i] = nullptr;
+    }
     if (st.side_event) cudaEventDestroy(st.side_event);
     if (st.side_stream) cudaStreamDestroy(st.side_stream);
     if (st.error_alloc) cudaFreeHost(st.error_alloc);

@@ -19,11 +19,15 @@ struct CudaMemberState {
   int device = -1;                       // CUDA device ordinal (== Member::ordinal)
   cudaStream_t side_stream = nullptr;    // non-blocking; also used for allocation zero-fill
   cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
-  // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy stream, the fork (XLA's stream -> copy stream) and
-  // join events, and the host's count of dispatch-type calls on this member (the device's sequence number of
-  // the next one is ep_dispatch_calls + 1 as long as every such call launches its kernel: the kernel checks).
-  cudaStream_t ep_copy_stream = nullptr;
-  cudaEvent_t ep_fork = nullptr, ep_join = nullptr;
+  // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy streams (pieces alternate between them, so that one
+  // stream's copy runs while the other waits for its piece to drain and writes the flag), the fork (XLA's stream ->
+  // copy streams) and join events, and the host's count of dispatch-type calls on this member (the device's
+  // sequence number of the next one is ep_dispatch_calls + 1 as long as every such call launches its kernel: the
+  // kernel checks).
+  static constexpr int kEpCopyStreams = 2;
+  cudaStream_t ep_copy_streams[kEpCopyStreams] = {};
+  cudaEvent_t ep_fork = nullptr;
+  cudaEvent_t ep_joins[kEpCopyStreams] = {};
   uint64_t ep_dispatch_calls = 0;
   std::mutex ep_mu;                      // one dispatch handler at a time on a member: counter, events, copies
   bool stream_mem_ops = false;           // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS and the entry point
