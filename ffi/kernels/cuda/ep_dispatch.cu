@@ -317,8 +317,20 @@ JE_DEVICE void build_expert_tables(const Tables& tb, int E_loc, int A, bool with
 
 // Receiver: one token (s, t) -> non-expand row i (and its expand rows). Whole warp. Every source is own memory:
 // x / topk / weights / pos_exp of the own rank, or the slot s pushed.
+// x rows of a pull warp: through its TMA stage when it has one (p.smem_stage >= 0), else 16-byte warp copies.
+struct RowCopier {
+  uint8_t* stage = nullptr;
+  uint64_t* mbar = nullptr;
+  unsigned phase = 0;
+  JE_DEVICE void copy(const uint8_t* src, uint8_t* dst_base, int64_t stride, unsigned mask, int64_t row_val,
+                      int64_t nbytes, int lane) {
+    if (stage) tma_copy_rows(src, dst_base, stride, mask, row_val, nbytes, stage, mbar, &phase, lane);
+    else warp_copy(src, dst_base, stride, mask, row_val, nbytes, lane);
+  }
+};
+
 JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Half& own, const Slot& sl, int s, int t,
-                          int i, int E_loc, int lane, bool with_x = true) {
+                          int i, int E_loc, int lane, RowCopier& rc) {
   const int me = p.w.rank, K = p.K, M = p.M;
   const bool self = s == me;
   const int64_t tK = static_cast<int64_t>(t) * K;
@@ -332,7 +344,7 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
     if (p.expand) pe = self ? own.pos_exp[tK + lane] : __ldcg(sl.pexp + tK + lane);
   }
   if (!p.expand) {
-    if (with_x) warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
+    rc.copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
     if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
   }
   const bool local = id >= 0 && id / E_loc == me;
@@ -355,114 +367,8 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
   if (lane < K) mrow[2 + lane] = ok ? static_cast<int32_t>(row) : -1;
   if (ok && p.recv_w) p.recv_w[row] = wv;
   const unsigned dm = __ballot_sync(kFull, ok);
-  warp_copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
+  rc.copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
   if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, dm, row, p.sf_bytes, lane);
-}
-
-// Rows src_base + tok[r] * src_stride -> dst + row[r] * dst_stride (r < n, vpr 16-byte vectors each) as one flat
-// array over `pthreads` threads, U vectors in flight per thread. Its own function: inlined into the dispatch kernel
-// (128 registers) its loads went through local memory.
-template <int U = 8>
-__device__ __noinline__ void coop_copy(const uint8_t* __restrict__ src_base, int64_t src_stride, uint8_t* __restrict__ dst,
-                                       int64_t dst_stride, const int* tok, const int* row, int n, int vpr, int ptid,
-                                       int pthreads) {
-  const int total = n * vpr;
-  for (int v0 = ptid; v0 < total; v0 += pthreads * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = v0 + u * pthreads;
-      if (idx < total) {
-        const int r = idx / vpr;
-        v[u] = ld_cg(reinterpret_cast<const uint4*>(src_base + static_cast<int64_t>(tok[r]) * src_stride) +
-                     (idx - r * vpr));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = v0 + u * pthreads;
-      if (idx < total) {
-        const int r = idx / vpr;
-        reinterpret_cast<uint4*>(dst + static_cast<int64_t>(row[r]) * dst_stride)[idx - r * vpr] = v[u];
-      }
-    }
-  }
-}
-
-// Copy-engine rows, non-expand receiver: the tokens [ta, tb) of source s (own x or the slot `sl`), 32 at a time, by
-// all pull warps of the CTA together: warp 0 lists the batch's tokens that come here and their rows (smem), every
-// warp writes the routing rows of some of them, and then all pull threads copy the batch's x rows as one flat array,
-// 8 x 16 B in flight per thread. Why not a token per warp: a warp walking its tokens one after the other (position,
-// routing loads, two 8 KB rounds per row) moved ~390 GB/s on 24 SMs where a plain copy kernel moves 1.1 TB/s
-// (probe_nvlink ce_dispatch, local_copy), and that made the receivers, not the link, the end of the call.
-// Whole pull group (bar 3); x_bytes % 16 == 0 (the handler's policy).
-JE_DEVICE void coop_rows(const EpDispatchParams& p, const Tables& tb, const Half& own, const Slot& sl, int s, int ta,
-                         int tend, int pw, int PW, int ptid, int pthreads, int lane, int E_loc, int* sh_tok, int* sh_row,
-                         int* sh_n) {
-  const int R = p.w.nranks, me = p.w.rank;
-  const bool self = s == me;
-  const int vpr = static_cast<int>(p.x_bytes / 16);
-  const uint8_t* src_base = self ? p.x : sl.x;
-  const int64_t src_stride = self ? p.x_bytes : p.L.x_row;
-  for (int base = ta; base < tend; base += 32) {
-    if (pw == 0) {
-      const int t = base + lane;
-      int pos = -1;
-      if (t < tend) pos = self ? own.pos_rank[static_cast<int64_t>(t) * R + me] : __ldcg(sl.pos + t);
-      const unsigned vm = __ballot_sync(kFull, pos >= 0);
-      if (pos >= 0) {
-        const int q = __popc(vm & ((1u << lane) - 1u));
-        sh_tok[q] = t;
-        sh_row[q] = tb.psum_excl[s] + pos;
-      }
-      if (lane == 0) *sh_n = __popc(vm);
-    }
-    bar_sync(3, pthreads);
-    const int n = *sh_n;
-    for (int q = pw; q < n; q += PW) pull_token(p, tb, own, sl, s, sh_tok[q], sh_row[q], E_loc, lane, false);
-    coop_copy(src_base, src_stride, p.recv_x, p.x_bytes, sh_tok, sh_row, n, vpr, ptid, pthreads);
-    bar_sync(3, pthreads);  // the batch's smem lists are rewritten next
-  }
-}
-
-// Copy-engine rows, non-expand: the pull warps' part of the dispatch kernel (after the receive tables): own rows
-// first (no wait), then each piece of every peer as it lands, all pull warps together (coop_rows). Its own function so
-// that its shared lists and trace log stay out of the kernel body.
-__device__ __forceinline__ void ce_pull_nonexpand(const EpDispatchParams& p, const Tables& tb, const Half& own, uint64_t hoff,
-                                               uint64_t seq, int t0, int t1, int SW, uint64_t sh_t0) {
-  __shared__ int sh_tok[32], sh_row[32], sh_n, sh_fail;
-  EP_TRACE_DECL;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  const int R = p.w.nranks, me = p.w.rank, M = p.M, N = p.N, G = gridDim.x, c = blockIdx.x, E_loc = p.E / R;
-  const int PW = nwarps - SW, pw = warp - SW, ptid = tid - SW * 32, pthreads = PW * 32;
-  const int P = p.ce_pieces, per = ep_tokens_per_cta(M, G), NCH = p.chunk, len = t1 - t0;
-  if (ptid == 0) sh_fail = 0;
-  coop_rows(p, tb, own, Slot{}, me, t0, min(t1, N), pw, PW, ptid, pthreads, lane, E_loc, sh_tok, sh_row, &sh_n);
-  EP_TRACE(p, sh_t0, "dispatch own rows", ptid == 0);
-  int ce_seen = -1;
-  for (int j = 0; j < P; ++j) {
-    for (int q = 1; q < R; ++q) {
-      const int s = (me + q) % R;
-      const Slot sl = peer_slot(p, hoff, s, me);
-      const int Ns = static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
-      const int ja = t0 + ep_ce_piece_begin(per, P, j);
-      const int jb = min(min(t0 + ep_ce_piece_begin(per, P, j + 1), t1), Ns);
-      if (ja >= jb) continue;
-      if (pw == 0) {  // the piece, and the routing rows of the chunks it spans
-        bool ok = wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane);
-        for (int li = ep_chunk_of(ja, t0, len, NCH); ok && li <= ep_chunk_of(jb - 1, t0, len, NCH); ++li)
-          ok = warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane);
-        if (!ok && lane == 0) sh_fail = 1;
-        EP_TRACE(p, sh_t0, j == 0 ? "dispatch ce piece 0 in" : "dispatch ce last piece in",
-                 lane == 0 && (j == 0 || j == P - 1));
-      }
-      bar_sync(3, pthreads);
-      if (sh_fail) break;
-      coop_rows(p, tb, own, sl, s, ja, jb, pw, PW, ptid, pthreads, lane, E_loc, sh_tok, sh_row, &sh_n);
-    }
-    if (sh_fail) break;
-  }
-  EP_TRACE_FLUSH(p, sh_t0);
 }
 
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatchParams p, int SW) {
@@ -753,16 +659,17 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     return;
   }
 
-  const int per = ep_tokens_per_cta(M, G);
-  if (p.ce_pieces && !p.expand) {
-    ce_pull_nonexpand(p, tb, own, hoff, seq, t0, t1, SW, sh_t0);
-    EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
-    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
-    EP_TRACE_FLUSH(p, sh_t0);
-    return;
-  }
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
+  const int per = ep_tokens_per_cta(M, G);
   int ce_seen = -1;
+  __shared__ __align__(8) uint64_t sh_mbar[kEpThreads / 32];
+  RowCopier rc;
+  if (p.smem_stage >= 0) {
+    rc.stage = smem + p.smem_stage + static_cast<int64_t>(warp - SW) * p.L.x_row;
+    rc.mbar = &sh_mbar[warp];
+    if (lane == 0) mbar_init(rc.mbar, 1);
+    __syncwarp();
+  }
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
@@ -793,9 +700,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       const int b = __ffs(vm) - 1;
       vm &= vm - 1;
       const int pb = __shfl_sync(kFull, pos, b);
-      pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane);
+      pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane, rc);
     }
   }
+  if (rc.stage && lane == 0) tma_wait_stores();
   EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
   trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
   EP_TRACE_FLUSH(p, sh_t0);
@@ -970,6 +878,14 @@ int ep_trace_level() {
   return v;
 }
 
+bool ep_tma_rows() {
+  static const bool v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_TMA_ROWS");
+    return !e || !*e || std::atoi(e) != 0;
+  }();
+  return v;
+}
+
 bool ep_cooperative_launch() {
   static const bool v = [] {
     const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
@@ -1006,6 +922,15 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   if (cache + cache_bytes <= 220 * 1024) {
     p.smem_topk = static_cast<int32_t>(cache);
     total = cache + cache_bytes;
+  }
+  // a TMA stage of one x row per pull warp, when rows are 16-byte multiples and it fits (14 KB rows: 12 pull warps
+  // need 168 KB); JAX_ENGRAM_EP_TMA_ROWS=0 turns it off
+  p.smem_stage = -1;
+  const int64_t stage_off = (total + 127) / 128 * 128;
+  const int64_t stage_bytes = static_cast<int64_t>(kEpThreads / 32 - l.stage_warps) * p.L.x_row;
+  if (p.x_bytes % 16 == 0 && p.x_bytes == p.L.x_row && stage_off + stage_bytes <= 220 * 1024 && ep_tma_rows()) {
+    p.smem_stage = static_cast<int32_t>(stage_off);
+    total = stage_off + stage_bytes;
   }
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
