@@ -80,7 +80,6 @@ struct EpDispatchParams {
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
-  int32_t smem_stage = -1;  // byte offset of the pull warps' TMA row stages (one x row each; -1: 16-byte copies)
   // Copy-engine rows (see "copy-engine rows" below): 0 = the stage warps store x rows to the peers; P > 0 = the
   // handler's copy stream wrote them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
   // sequence number ce_seq (the host's count of dispatch-type calls: the copies chose the half by it).
@@ -126,10 +125,8 @@ inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
 //                               the last CTA (tools/ep_trace.py)
 //   JAX_ENGRAM_EP_COOPERATIVE   0: launch without the cooperative attribute (the grid is at most one CTA per SM
 //                               and co-resident anyway on an otherwise idle GPU); default 1
-//   JAX_ENGRAM_EP_TMA_ROWS      0: dispatch receivers copy x rows with 16-byte loads instead of TMA bulk copies
 int ep_trace_level();
 bool ep_cooperative_launch();
-bool ep_tma_rows();
 
 // Dispatch push chunks per CTA: the CTA's token range is cut into this many chunks of (almost) equal size (sizes
 // differ by at most one token: ep_chunk_begin), dealt round-robin to the stage warps, so every stage warp pushes

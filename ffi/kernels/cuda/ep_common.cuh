@@ -278,63 +278,6 @@ JE_DEVICE void warp_copy(const uint8_t* src, uint8_t* dst_base, int64_t dst_stri
   }
 }
 
-// ------------------------------------------------------------------------------------------------------------
-// TMA bulk row copies (cp.async.bulk): a warp's lane 0 loads a whole row into the warp's shared-memory stage with one
-// instruction and stores it to every destination row from there. Why: a receiver warp copying 14 KB rows with
-// 16-byte loads needs two rounds of loads per row plus its routing loads, and 24 SMs of such warps moved ~390 GB/s
-// where the link delivered 390 and a plain copy kernel moves 1.1 TB/s (probe_nvlink ce_dispatch); the bulk load
-// keeps the whole row in flight.
-JE_DEVICE void mbar_init(uint64_t* b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(b))),
-               "r"(n));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-JE_DEVICE void tma_wait_mbar(uint64_t* b, unsigned phase) {  // a local bulk load always completes: no bound needed
-  asm volatile(
-      "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}" ::"r"(
-          static_cast<unsigned>(__cvta_generic_to_shared(b))),
-      "r"(phase)
-      : "memory");
-}
-// Every TMA store of this thread has completed (before the kernel ends: results visible to the next kernel).
-JE_DEVICE void tma_wait_stores() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Copies `nbytes` (multiple of 16, 16-byte aligned src and rows) from src to the rows of `mask` as warp_copy does,
-// through `stage` (nbytes of this warp's shared memory) and the warp's mbarrier `mbar` (phase in *phase, flipped per
-// use). The source may have been written by another GPU (copy engine or stores) and acquired by this warp: the proxy
-// fence orders that acquire before the bulk load (async proxy). Whole warp.
-JE_DEVICE void tma_copy_rows(const uint8_t* src, uint8_t* dst_base, int64_t dst_stride, unsigned mask, int64_t row_val,
-                             int64_t nbytes, uint8_t* stage, uint64_t* mbar, unsigned* phase, int lane) {
-  if (mask == 0 || nbytes <= 0) return;
-  const unsigned sm_stage = static_cast<unsigned>(__cvta_generic_to_shared(stage));
-  const unsigned sm_bar = static_cast<unsigned>(__cvta_generic_to_shared(mbar));
-  const unsigned n = static_cast<unsigned>(nbytes);
-  if (lane == 0) {
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sm_bar), "r"(n) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     sm_stage), "l"(src), "r"(n), "r"(sm_bar)
-                 : "memory");
-    tma_wait_mbar(mbar, *phase);
-  }
-  *phase ^= 1u;
-  unsigned mm = mask;
-  while (mm) {
-    const int b = __ffs(mm) - 1;
-    mm &= mm - 1;
-    const int64_t row = __shfl_sync(kFull, row_val, b);
-    if (lane == 0)
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst_base + row * dst_stride),
-                   "r"(sm_stage), "r"(n)
-                   : "memory");
-  }
-  if (lane == 0) {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the stage is free for the next row
-  }
-  __syncwarp();
-}
-
 // One row src -> dst.
 JE_DEVICE void warp_copy1(const uint8_t* src, uint8_t* dst, int64_t nbytes, int lane) {
   warp_copy(src, dst, 0, 1u, 0, nbytes, lane);

@@ -167,6 +167,23 @@ JE_DEVICE const uint64_t* chunk_word(const Slot& sl, int c, int li, int SW) {
 }
 JE_DEVICE uint64_t chunk_value(uint64_t seq, int li, int SW) { return progress_value(seq, li / SW + 1); }
 
+// Copy-engine rows: waits (whole warp) until source s pushed the routing rows of every token of CTA c's range
+// [t0, min(t1, Ns)): each stage warp's progress word at its last non-empty chunk (it publishes after each non-empty
+// chunk; the value counts its chunks, empty ones included).
+JE_DEVICE bool wait_range_routing(const EpDispatchParams& p, const Slot& sl, int s, uint64_t seq, int c, int t0, int t1,
+                                  int len, int Ns, int NCH, int SW, int lane) {
+  const int te = min(t1, Ns);
+  if (te <= t0) return true;
+  const int last = ep_chunk_of(te - 1, t0, len, NCH);
+  for (int w = 0; w < SW; ++w) {
+    int li = last - ((last - w) % SW + SW) % SW;  // the largest li <= last with li % SW == w
+    while (li >= 0 && ep_chunk_begin(t0, len, NCH, li) >= min(ep_chunk_begin(t0, len, NCH, li + 1), te)) li -= SW;
+    if (li >= 0 && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
+      return false;
+  }
+  return true;
+}
+
 // Copies `nbytes` from src to the destinations of the set bits of `mask` (destination of bit b = lane_dst of lane
 // b): each vector is loaded once and stored to every destination. All 32 lanes call it with the same mask.
 template <typename V, int U>
@@ -317,20 +334,8 @@ JE_DEVICE void build_expert_tables(const Tables& tb, int E_loc, int A, bool with
 
 // Receiver: one token (s, t) -> non-expand row i (and its expand rows). Whole warp. Every source is own memory:
 // x / topk / weights / pos_exp of the own rank, or the slot s pushed.
-// x rows of a pull warp: through its TMA stage when it has one (p.smem_stage >= 0), else 16-byte warp copies.
-struct RowCopier {
-  uint8_t* stage = nullptr;
-  uint64_t* mbar = nullptr;
-  unsigned phase = 0;
-  JE_DEVICE void copy(const uint8_t* src, uint8_t* dst_base, int64_t stride, unsigned mask, int64_t row_val,
-                      int64_t nbytes, int lane) {
-    if (stage) tma_copy_rows(src, dst_base, stride, mask, row_val, nbytes, stage, mbar, &phase, lane);
-    else warp_copy(src, dst_base, stride, mask, row_val, nbytes, lane);
-  }
-};
-
 JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Half& own, const Slot& sl, int s, int t,
-                          int i, int E_loc, int lane, RowCopier& rc) {
+                          int i, int E_loc, int lane) {
   const int me = p.w.rank, K = p.K, M = p.M;
   const bool self = s == me;
   const int64_t tK = static_cast<int64_t>(t) * K;
@@ -344,7 +349,7 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
     if (p.expand) pe = self ? own.pos_exp[tK + lane] : __ldcg(sl.pexp + tK + lane);
   }
   if (!p.expand) {
-    rc.copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
+    warp_copy(src_x, p.recv_x, p.x_bytes, 1u, i, p.x_bytes, lane);
     if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, 1u, i, p.sf_bytes, lane);
   }
   const bool local = id >= 0 && id / E_loc == me;
@@ -367,7 +372,7 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
   if (lane < K) mrow[2 + lane] = ok ? static_cast<int32_t>(row) : -1;
   if (ok && p.recv_w) p.recv_w[row] = wv;
   const unsigned dm = __ballot_sync(kFull, ok);
-  rc.copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
+  warp_copy(src_x, p.recv_x, p.x_bytes, dm, row, p.x_bytes, lane);
   if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, dm, row, p.sf_bytes, lane);
 }
 
@@ -661,15 +666,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
 
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
   const int per = ep_tokens_per_cta(M, G);
-  int ce_seen = -1;
-  __shared__ __align__(8) uint64_t sh_mbar[kEpThreads / 32];
-  RowCopier rc;
-  if (p.smem_stage >= 0) {
-    rc.stage = smem + p.smem_stage + static_cast<int64_t>(warp - SW) * p.L.x_row;
-    rc.mbar = &sh_mbar[warp];
-    if (lane == 0) mbar_init(rc.mbar, 1);
-    __syncwarp();
-  }
+  int ce_seen = -1, meta_src = -1;
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
@@ -682,8 +679,15 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
     const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), Ns);
     if (cb >= ce) continue;
-    if (!self && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
+    if (!self && p.ce_pieces) {
+      // copy-engine rows: the routing rows of the whole range from s once (the stage warps push only those, and
+      // long before the pieces land), then per item only the piece; the items are small (~2 tokens, ep_ce_chunks)
+      if (meta_src != s && !wait_range_routing(p, sl, s, seq, c, t0, t1, len, Ns, NCH, SW, lane)) return;
+      meta_src = s;
+    } else if (!self &&
+               !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane)) {
       return;
+    }
     if (!self && p.ce_pieces) {
       const int j = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
       if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
@@ -700,10 +704,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       const int b = __ffs(vm) - 1;
       vm &= vm - 1;
       const int pb = __shfl_sync(kFull, pos, b);
-      pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane, rc);
+      pull_token(p, tb, own, sl, s, cb + b, tb.psum_excl[s] + pb, E_loc, lane);
     }
   }
-  if (rc.stage && lane == 0) tma_wait_stores();
   EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
   trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
   EP_TRACE_FLUSH(p, sh_t0);
@@ -878,14 +881,6 @@ int ep_trace_level() {
   return v;
 }
 
-bool ep_tma_rows() {
-  static const bool v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_TMA_ROWS");
-    return !e || !*e || std::atoi(e) != 0;
-  }();
-  return v;
-}
-
 bool ep_cooperative_launch() {
   static const bool v = [] {
     const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
@@ -922,15 +917,6 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   if (cache + cache_bytes <= 220 * 1024) {
     p.smem_topk = static_cast<int32_t>(cache);
     total = cache + cache_bytes;
-  }
-  // a TMA stage of one x row per pull warp, when rows are 16-byte multiples and it fits (14 KB rows: 12 pull warps
-  // need 168 KB); JAX_ENGRAM_EP_TMA_ROWS=0 turns it off
-  p.smem_stage = -1;
-  const int64_t stage_off = (total + 127) / 128 * 128;
-  const int64_t stage_bytes = static_cast<int64_t>(kEpThreads / 32 - l.stage_warps) * p.L.x_row;
-  if (p.x_bytes % 16 == 0 && p.x_bytes == p.L.x_row && stage_off + stage_bytes <= 220 * 1024 && ep_tma_rows()) {
-    p.smem_stage = static_cast<int32_t>(stage_off);
-    total = stage_off + stage_bytes;
   }
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
