@@ -568,8 +568,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         for (int t = cb; t < ce; ++t)
           push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
                      lane);
-        publish_progress(p, hoff, seq, n, warp, lane);
+        if (!p.ce_pieces) publish_progress(p, hoff, seq, n, warp, lane);
       }
+      // Copy-engine rows: the routing rows only, published once. Under the copy engine's traffic each release of a
+      // progress word waited for this warp's small stores to cross a saturated link (~11 us a chunk on 2xH200: the
+      // routing rows of a 4096-token call took the stage warps ~250 us), and the receivers waited for them.
+      if (p.ce_pieces && n > 0) publish_progress(p, hoff, seq, n, warp, lane);
     }
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
@@ -774,8 +778,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       for (int t = cb; t < ce; ++t)
         push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
                    lane);
-      publish_progress(p, hoff, seq, n, warp, lane);
+      if (!p.ce_pieces) publish_progress(p, hoff, seq, n, warp, lane);
     }
+    if (p.ce_pieces && n > 0) publish_progress(p, hoff, seq, n, warp, lane);  // as in the full dispatch
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
     bar_sync(2, blockDim.x);
