@@ -58,8 +58,8 @@ def _args(argv=None):
     ap.add_argument("--sms", type=int, default=0, help="num_sms of our kernels (0 = automatic: 24)")
     ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
     ap.add_argument("--no-sm-compare", action="store_true",
-                    help="skip the same-run rerun of the largest config with JAX_ENGRAM_EP_DISPATCH_CE=0 (SM stores) "
-                         "when the copy engine carries the rows")
+                    help="skip the same-run rerun of the largest config (first dtype) on the other dispatch path "
+                         "(JAX_ENGRAM_EP_DISPATCH_CE=0 or 1: SM stores or copy-engine rows)")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -329,10 +329,12 @@ def main():
                     expand = lname == "expand"
                     A = ARGS.alignment if expand else 1
                     path = ctx.dispatch_path(max_tokens_per_rank=N, hidden_bytes=H * np.dtype(_dtype(dname)).itemsize,
-                                             topk=K, num_experts=E)
+                                             topk=K, num_experts=E, expand=expand)
                     variants = [(sms, path, None) for sms in sms_list]
-                    if sweep_here and path.startswith("copy engine") and not ARGS.no_sm_compare:
-                        variants.insert(1, (ARGS.sms, "SM stores (JAX_ENGRAM_EP_DISPATCH_CE=0)", "0"))
+                    if sweep_here and on_gpu and not ARGS.no_sm_compare:  # the other path, same run
+                        variants.insert(1, (ARGS.sms, "SM stores (JAX_ENGRAM_EP_DISPATCH_CE=0)", "0")
+                                        if path.startswith("copy engine") else
+                                        (ARGS.sms, "copy engine (JAX_ENGRAM_EP_DISPATCH_CE=1)", "1"))
                     for sms, path_v, ce_env in variants:
                         first = sms == ARGS.sms and ce_env is None
                         old_env = os.environ.get("JAX_ENGRAM_EP_DISPATCH_CE")

@@ -276,17 +276,18 @@ class Context:
             if e is not None:
                 raise JaxEngramError(e["message"])
 
-    def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int) -> str:
+    def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
+                      expand: bool = False) -> str:
         """How ``dispatch`` of this config moves x's rows on this context: ``"copy engine (P pieces)"`` (CUDA:
-        the whole x is copied into every peer's inbox by the copy engine; chosen when a peer receives nearly all
-        tokens, or forced by ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The
-        same on every rank. For benchmarks and diagnosis; it does not change the results."""
+        the whole x is copied into every peer's inbox by the copy engine; chosen for large non-expand rows when a
+        peer receives nearly all tokens, or forced by ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or
+        ``"pull (CPU)"``. The same on every rank. For benchmarks and diagnosis; it does not change the results."""
         self._check_open()
         if self.platform != "gpu" or not self._created:
             return "pull (CPU)"
         m = self._created[0]
         pieces = self._native.ep_dispatch_copy_pieces(self.id, m.ordinal, int(max_tokens_per_rank), int(topk),
-                                                      int(num_experts), int(hidden_bytes))
+                                                      int(num_experts), int(hidden_bytes), bool(expand))
         return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
 
     def errors(self) -> list[dict]:

@@ -98,17 +98,19 @@ int env_int(const char* name, int fallback) {
 
 // Copy-engine rows (kernels/cuda/ep.h): pieces for a dispatch of this config, 0 = SM stores. Identical on every rank:
 // a function of the config (not of N, which may differ per rank), the environment and the hardware.
-// Auto policy: the whole x (N rows) goes to every peer, so only when a peer is expected to receive nearly all of a
-// rank's tokens -- share = 1 - P(none of a token's K distinct uniform experts lives on that peer) >= 95 % (2 ranks:
-// top-6 98.5 %, top-8 99.6 %; 4 ranks top-8: 90 %, not taken) -- and the rows are large enough that the copies'
-// fixed cost (a few us) is small (M x row >= 4 MiB; 128 tokens x 14 KB is not).
-int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
+// Auto policy, from 2xH200 at 4096 tokens, hidden 7168, top-8 of 256 (benchmarks/RESULTS.md): the copy engine wins
+// only for non-expand rows of >= 8 KiB (bf16 262 vs 275 us; fp8 281 vs ~200 us: the routing rows reach the receivers
+// ~50 us after the layout under the copy traffic, which small rows cannot hide; expand 504 vs 496 us: bound by the
+// receivers' expert copies). And the whole x (N rows) goes to every peer, so only when a peer is expected to receive
+// nearly all of a rank's tokens: share = 1 - P(none of a token's K distinct uniform experts is on that peer) >= 95 %
+// (2 ranks: top-6 98.5 %, top-8 99.6 %; 4 ranks top-8: 90 %, not taken), and M x row >= 4 MiB.
+int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes, bool expand) {
   if (R < 2 || !st.stream_mem_ops || !st.ep_copy_streams[1] || x_bytes % 16 != 0 || K < 1) return 0;
   const char* mode = std::getenv("JAX_ENGRAM_EP_DISPATCH_CE");
   const bool forced = mode && std::string(mode) == "1";
   if (mode && std::string(mode) == "0") return 0;
   if (!forced) {
-    if (M * x_bytes < (int64_t{4} << 20)) return 0;
+    if (expand || x_bytes < 8192 || M * x_bytes < (int64_t{4} << 20)) return 0;
     const int64_t E_loc = E / R;
     double miss = 1.0;
     for (int64_t i = 0; i < K; ++i) miss *= E - E_loc - i > 0 ? static_cast<double>(E - E_loc - i) / (E - i) : 0.0;
@@ -302,7 +304,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes) : 0;
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes, expand != 0) : 0;
   const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
   if (ep_dispatch_smem_bytes(c.R, c.E, l.stage_warps, nullptr, nullptr) < 0)
     return op_error(op, "ranks + experts = " + std::to_string(c.R + c.E) + " is too large for the layout kernel");
@@ -389,7 +391,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes) : 0;
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes, expand != 0) : 0;
   const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
 
   CudaDeviceGuard g(ordinal);
@@ -507,10 +509,11 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
 
 }  // namespace
 
-int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
+int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
+                            bool expand) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok() || !s->backend_state) return -1;
-  return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes);
+  return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes, expand);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCuda, EpDispatchCuda,

@@ -98,7 +98,7 @@ NB_MODULE(_engram_cuda, m) {
         nb::arg("ctx_id"), nb::arg("ordinal"));
 
   m.def("ep_dispatch_copy_pieces", &ep_dispatch_copy_pieces, nb::arg("ctx_id"), nb::arg("ordinal"),
-        nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"),
+        nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"), nb::arg("expand"),
         "Copy-engine pieces a dispatch of this config uses on this member (0: SM stores; -1: no such member).");
 
   m.def("nccl_versions", []() {
