@@ -16,10 +16,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <map>
-#include <memory>
 #include <cstdlib>
 #include <initializer_list>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 

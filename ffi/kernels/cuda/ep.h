@@ -81,7 +81,7 @@ struct EpDispatchParams {
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
   // Copy-engine rows (see "copy-engine rows" below): 0 = the stage warps store x rows to the peers; P > 0 = the
-  // handler's copy stream wrote them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
+  // handler's copy streams write them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
   // sequence number ce_seq (the host's count of dispatch-type calls: the copies chose the half by it).
   int32_t ce_pieces = 0;
   uint64_t ce_seq = 0;
@@ -171,12 +171,14 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 // ~345 (benchmarks/probe_nvlink.cu, results/probe_tma_2xh200.log), but it cannot follow the layout: its sizes are
 // fixed when the handler enqueues it. The inbox is indexed by token, so it does not need to: when (almost) every
 // token goes to every peer (2 ranks at top-8, say), the handler copies x's N rows whole into this rank's inbox slot
-// on every peer, on its own stream beside the kernel, and the kernel's stage warps push only the routing rows.
+// on every peer, on two copy streams beside the kernel, and the kernel's stage warps push only the routing rows
+// (published once per warp: per-chunk releases queued behind the copy traffic).
 // Unused rows cross too; the policy (cuda_ep.cc) accepts that only when the expected share is high.
 // The rows go in P pieces so that receivers copy while the rest is still in flight: piece j is the range offsets
 // [ep_ce_piece_begin(per, P, j), ep_ce_piece_begin(per, P, j + 1)) of EVERY CTA's token range (per =
 // ep_tokens_per_cta), one strided copy per piece, so all CTAs receive in step and the tail after the last piece is
-// 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot.
+// 1/P of each CTA's rows; then that piece's copy stream (pieces alternate between two, so that one copies while the
+// other drains and flags) writes ce[j] = seq into the peer's slot.
 JE_HD int ep_ce_piece_begin(int per, int P, int j) { return static_cast<int>(static_cast<int64_t>(per) * j / P); }
 // The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
 JE_HD int ep_ce_piece_of(int off, int per, int P) {
