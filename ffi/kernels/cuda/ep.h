@@ -77,6 +77,7 @@ struct EpDispatchParams {
   // launch shape (filled by the launcher)
   int32_t chunk = 8;         // push chunks per CTA range (ep_dispatch_chunks; same on every rank: from M, G, SW)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE: CTA 0 and G-1 printf their phase times (diagnosis only)
+  int32_t trace_cta = -1;    // JAX_ENGRAM_EP_TRACE_CTA: the CTA traced beside CTA 0 (-1: the last)
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
@@ -110,6 +111,7 @@ struct EpCombineParams {
   int32_t* token_out = nullptr;
   int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
   int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
+  int32_t trace_cta = -1;
 };
 
 // Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
@@ -123,9 +125,11 @@ inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
 // Diagnosis / experiment knobs, read once from the environment (host):
 //   JAX_ENGRAM_EP_TRACE         1: one printf line per kernel with its span; 2: also the phase times of CTA 0 and
 //                               the last CTA (tools/ep_trace.py)
+//   JAX_ENGRAM_EP_TRACE_CTA     the CTA traced beside CTA 0 (default: the last)
 //   JAX_ENGRAM_EP_COOPERATIVE   0: launch without the cooperative attribute (the grid is at most one CTA per SM
 //                               and co-resident anyway on an otherwise idle GPU); default 1
 int ep_trace_level();
+int ep_trace_cta();  // JAX_ENGRAM_EP_TRACE_CTA (-1 when unset)
 bool ep_cooperative_launch();
 
 // Dispatch push chunks per CTA: the CTA's token range is cut into this many chunks of (almost) equal size (sizes

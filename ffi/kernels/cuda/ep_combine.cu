@@ -416,6 +416,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
   p.trace = ep_trace_level();
+  p.trace_cta = ep_trace_cta();
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.num_ctas);
   cfg.blockDim = dim3(kEpThreads);

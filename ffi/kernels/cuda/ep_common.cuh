@@ -71,13 +71,15 @@ JE_DEVICE uint64_t enter_seq(uint8_t* ws, uint64_t seq_off, uint64_t arrive_off)
 }
 
 // Marks the end of this CTA's staging; the last CTA publishes own.<op>_ready = seq (release, system scope).
-// Called by one thread, after a barrier over every thread that wrote staging data.
-JE_DEVICE void staged_arrive(uint8_t* ws, uint64_t staged_off, uint64_t ready_off, uint64_t seq) {
+// Called by one thread, after a barrier over every thread that wrote staging data. True in the CTA that published.
+JE_DEVICE bool staged_arrive(uint8_t* ws, uint64_t staged_off, uint64_t ready_off, uint64_t seq) {
   __threadfence_system();
   if (atomicInc(reinterpret_cast<unsigned*>(ws + staged_off), gridDim.x - 1) == gridDim.x - 1) {
     __threadfence_system();
     st_release_sys_u64(ws_u64(ws, ready_off), seq);
+    return true;
   }
+  return false;
 }
 
 // Grid barrier of a cooperative launch (all CTAs co-resident). Own-memory counter + generation; leaves the
@@ -132,7 +134,7 @@ JE_DEVICE uint64_t progress_value(uint64_t seq, uint64_t n) { return (seq << 32)
 // line with the CTA's start on the GPU's global timer (µs within the second: consecutive calls show the gap
 // between kernels). Why not printf at each phase: a printf takes microseconds and distorted the phases it timed.
 struct EpTraceLog {
-  static constexpr int kMax = 8;
+  static constexpr int kMax = 16;
   const char* what[kMax];
   float us[kMax];
   int n;
@@ -176,7 +178,7 @@ JE_DEVICE void trace_span_end(int trace, uint8_t* ws, int* sh_done, const char* 
 
 #define EP_TRACE(p, t0, what_, cond)                                                                          \
   do {                                                                                                       \
-    if ((p).trace > 1 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && (cond) && ep_tr_.n < EpTraceLog::kMax) { \
+    if ((p).trace > 1 && (blockIdx.x == 0 || static_cast<int>(blockIdx.x) == ((p).trace_cta >= 0 ? (p).trace_cta : static_cast<int>(gridDim.x) - 1)) && (cond) && ep_tr_.n < EpTraceLog::kMax) { \
       ep_tr_.what[ep_tr_.n] = (what_);                                                                       \
       ep_tr_.us[ep_tr_.n++] = static_cast<float>(cuda::globaltimer_ns() - (t0)) * 1e-3f;                    \
     }                                                                                                        \

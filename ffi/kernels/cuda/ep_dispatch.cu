@@ -577,7 +577,10 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
-    if (tid == 0 && !iabort) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
+    if (tid == 0 && !iabort &&
+        staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq) && p.trace > 1)
+      printf("EPTRACE dispatch ready published rank %d cta %d: %.1f us (start %.1f)\n", me, c,
+             (cuda::globaltimer_ns() - sh_t0) * 1e-3, (sh_t0 % 1000000000ull) * 1e-3);
     bar_sync(2, blockDim.x);  // receive tables built by the pull warps
     if (!sh_abort && !bad && !iabort) {
       const int te = min(t1, N);
@@ -886,6 +889,14 @@ int ep_trace_level() {
   return v;
 }
 
+int ep_trace_cta() {
+  static const int v = [] {
+    const char* e = std::getenv("JAX_ENGRAM_EP_TRACE_CTA");
+    return !e || !*e ? -1 : std::atoi(e);
+  }();
+  return v;
+}
+
 bool ep_cooperative_launch() {
   static const bool v = [] {
     const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
@@ -925,6 +936,7 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   }
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
+  p.trace_cta = ep_trace_cta();
   return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(total), stream);
 }
 
