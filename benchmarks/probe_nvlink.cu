@@ -2,7 +2,8 @@
 // Engram kernels can be judged against what SM loads/stores and TMA bulk copies can reach with a given number of
 // SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [engram|tma]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [mode]
+//   mode: engram | tma | ce_dispatch | fanout (local fan-out copies, one GPU)
 //
 // "engram" runs only the Engram gather variants: half of the rows local, tables from cudaMalloc or from cuMem
 // (VMM, the way jax_engram maps its windows), rows drawn from the whole 1 GiB table or from its first 128 MiB
@@ -402,6 +403,66 @@ void tma_write(int dev, const Dev* d, int peer, int ctas, size_t bytes) {
   tma_copy_kernel<<<ctas, 32, kStages * kChunk, d[dev].st>>>(d[dev].a, d[peer].b, bytes);
 }
 
+// Local fan-out (the expand dispatch's receiver side): every 14 KiB source row to kFan scattered rows of the same
+// GPU. GB/s counts the bytes written. "lsu": a warp per row, 16-byte loads once, stores to every destination (the
+// kernels' warp_copy); "tma": a warp per row, lane 0 loads it into the warp's shared-memory buffer with one
+// cp.async.bulk and stores it with kFan bulk copies.
+constexpr int kFanRow = 14336, kFan = 4;
+__device__ __forceinline__ size_t fan_dst(size_t r, int j, size_t rows) { return (r * kFan + j) * 7919 % (rows * kFan); }
+
+__global__ void __launch_bounds__(512) fan_lsu_kernel(const uint8_t* src, uint8_t* dst, size_t rows) {
+  const int lane = threadIdx.x & 31;
+  const size_t gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nw = (gridDim.x * blockDim.x) >> 5;
+  constexpr int n = kFanRow / 16, U = 16;
+  for (size_t r = gw; r < rows; r += nw) {
+    const uint4* s = reinterpret_cast<const uint4*>(src + r * kFanRow);
+    for (int base = 0; base < n; base += 32 * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 + lane < n) v[u] = __ldcg(s + base + u * 32 + lane);
+#pragma unroll
+      for (int j = 0; j < kFan; ++j) {
+        uint4* d = reinterpret_cast<uint4*>(dst + fan_dst(r, j, rows) * kFanRow);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (base + u * 32 + lane < n) d[base + u * 32 + lane] = v[u];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(512) fan_tma_kernel(const uint8_t* src, uint8_t* dst, size_t rows) {
+  extern __shared__ __align__(128) uint8_t sm[];
+  __shared__ __align__(8) uint64_t bar[16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane != 0) return;
+  uint8_t* buf = sm + warp * kFanRow;
+  mbar_init(&bar[warp], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const size_t gw = blockIdx.x * (blockDim.x >> 5) + warp, nw = gridDim.x * (blockDim.x >> 5);
+  unsigned phase = 0;
+  for (size_t r = gw; r < rows; r += nw) {
+    bulk_wait_read<0>();  // the previous row's stores have read the buffer
+    mbar_expect_tx(&bar[warp], kFanRow);
+    bulk_g2s(buf, src + r * kFanRow, kFanRow, &bar[warp]);
+    mbar_wait(&bar[warp], phase);
+    phase ^= 1;
+    for (int j = 0; j < kFan; ++j) bulk_s2g(dst + fan_dst(r, j, rows) * kFanRow, buf, kFanRow);
+    bulk_commit();
+  }
+  bulk_wait_all();
+}
+
+template <bool kTma>
+void fanout(int dev, const Dev* d, int, int ctas, size_t bytes) {  // bytes: written
+  const size_t rows = bytes / kFan / kFanRow;
+  if (kTma)
+    fan_tma_kernel<<<ctas, 512, 16 * kFanRow, d[dev].st>>>(d[dev].table, d[dev].b, rows);
+  else
+    fan_lsu_kernel<<<ctas, 512, 0, d[dev].st>>>(d[dev].table, d[dev].b, rows);
+}
+
 int main(int argc, char** argv) {
   const size_t mib = argc > 1 ? std::atol(argv[1]) : 256;
   const size_t bytes = mib << 20, table_bytes = size_t(1) << 30;
@@ -447,6 +508,19 @@ int main(int argc, char** argv) {
           std::printf("%-11s %4d %5d %9.1f\n", p.name, dirs, c, run(p.f, dirs, c, bytes));
           std::fflush(stdout);
         }
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "fanout") {  // bytes written, e.g. 448 (MiB): 8192 rows x 4 x 14 KiB
+    for (int i = 0; i < 2; ++i) {
+      CK(cudaSetDevice(i));
+      CK(cudaFuncSetAttribute(fan_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * kFanRow));
+    }
+    const P fv[] = {{"fan_lsu", fanout<false>}, {"fan_tma", fanout<true>}};
+    for (const P& p : fv)
+      for (int c : {24, 32, 66, 132}) {
+        std::printf("%-11s %4d %5d %9.1f   (GB/s written, one GPU)\n", p.name, 1, c, run(p.f, 1, c, bytes));
+        std::fflush(stdout);
+      }
     return 0;
   }
   if (argc > 2 && std::string(argv[2]) == "ce_dispatch") {  // bytes: e.g. 56 (MiB, 4096 rows of 14 KiB)

@@ -36,13 +36,6 @@ namespace {
 
 using namespace validate;
 
-ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
-  // float32 (what the Python layer passes: no convert kernel between chained ops) or int32; the kernel copies
-  // its 4 bytes (CTA 0)
-  JE_CHECK(check(op, "token", token, {}, {DT::F32, DT::S32}));
-  JE_CHECK(check(op, "token_out", token_out, {}, {token.element_type()}));
-  return ffi::Error::Success();
-}
 
 
 ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
@@ -268,39 +261,14 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
-  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
-  const int64_t N = x.dimensions()[0], H = x.dimensions()[1], K = topk_idx.dimensions()[1];
-  Common c;
-  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, expand, expert_alignment, N, K, &c));
-  if (zero_padding && !expand) return op_error(op, "zero_padding requires expand");
-  JE_CHECK(check(op, "x", x, {N, H}, {DT::BF16, DT::F16, DT::F32, DT::F8E4M3FN}));
-  JE_CHECK(check(op, "x_scales", x_scales, {N, -1}, {DT::F32, DT::S32}));
-  const int64_t P = x_scales.dimensions()[1];
-  JE_CHECK(check(op, "topk_idx", topk_idx, {N, K}, {DT::S32}));
-  const bool has_w = topk_weights.dimensions().size() == 2 && topk_weights.dimensions()[1] != 0;
-  JE_CHECK(check(op, "topk_weights", topk_weights, {N, has_w ? K : 0}, {DT::F32}));
-  const int64_t rows_tok = c.R * c.M;
-  JE_CHECK(check(op, "recv_x", *recv_x, {c.rows, H}, {x.element_type()}));
-  JE_CHECK(check(op, "recv_x_scales", *recv_x_scales, {c.rows, P}, {x_scales.element_type()}));
-  JE_CHECK(check(op, "recv_topk_idx", *recv_topk_idx, {expand ? 0 : rows_tok, K}, {DT::S32}));
-  if (has_w) {
-    if (expand) JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {c.rows}, {DT::F32}));
-    else JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {rows_tok, K}, {DT::F32}));
-  } else {
-    JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {0}, {DT::F32}));
-  }
-  JE_CHECK(check(op, "psum_rank", *psum_rank, {c.R}, {DT::S32}));
-  JE_CHECK(check(op, "psum_expert", *psum_expert, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "unaligned", *unaligned, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "recv_src_metadata", *recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
-  JE_CHECK(check(op, "dst_row", *dst_row, {N, c.R}, {DT::S32}));
-  JE_CHECK(check(op, "num_recv_tokens", *num_recv_tokens, {}, {DT::S32}));
-  JE_CHECK(check(op, "group_sizes", *group_sizes, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check_token(op, token, *token_out));
-  if (rows_tok >= (int64_t{1} << 31) || c.rows >= (int64_t{1} << 31))
-    return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
-  const int64_t x_bytes = H * elt_bytes(x.element_type());
+  EpShapes sh;  // the kernel copies the token (CTA 0)
+  JE_CHECK(check_dispatch(op, m, x, x_scales, topk_idx, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_idx,
+                          *recv_topk_weights, *psum_rank, *psum_expert, *unaligned, *recv_src_metadata, *dst_row,
+                          *num_recv_tokens, *group_sizes, *token_out, num_experts, max_tokens_per_rank, expand,
+                          expert_alignment, zero_padding, &sh));
+  const Common& c = sh.c;
+  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
+  const bool has_w = sh.has_w;
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
@@ -358,36 +326,13 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
-  if (recv_src_metadata.dimensions().size() != 2)
-    return op_error(op, "recv_src_metadata must be 2-D [R*M, K+2], got " + shape_str(recv_src_metadata));
-  const int64_t N = x.dimensions()[0], H = x.dimensions()[1], K = recv_src_metadata.dimensions()[1] - 2;
-  Common c;
-  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, expand, expert_alignment, N, K, &c));
-  if (zero_padding && !expand) return op_error(op, "zero_padding requires expand");
-  const int64_t rows_tok = c.R * c.M;
-  JE_CHECK(check(op, "x", x, {N, H}, {DT::BF16, DT::F16, DT::F32, DT::F8E4M3FN}));
-  JE_CHECK(check(op, "x_scales", x_scales, {N, -1}, {DT::F32, DT::S32}));
-  const int64_t P = x_scales.dimensions()[1];
-  const bool has_w = topk_weights.dimensions().size() == 2 && topk_weights.dimensions()[1] != 0;
-  JE_CHECK(check(op, "topk_weights", topk_weights, {N, has_w ? K : 0}, {DT::F32}));
-  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
-  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
-  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "dst_row", dst_row, {N, c.R}, {DT::S32}));
-  JE_CHECK(check(op, "recv_x", *recv_x, {c.rows, H}, {x.element_type()}));
-  JE_CHECK(check(op, "recv_x_scales", *recv_x_scales, {c.rows, P}, {x_scales.element_type()}));
-  if (has_w) {
-    if (expand) JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {c.rows}, {DT::F32}));
-    else JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {rows_tok, K}, {DT::F32}));
-  } else {
-    JE_CHECK(check(op, "recv_topk_weights", *recv_topk_weights, {0}, {DT::F32}));
-  }
-  JE_CHECK(check_token(op, token, *token_out));
-  if (rows_tok >= (int64_t{1} << 31) || c.rows >= (int64_t{1} << 31))
-    return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
-  const int64_t x_bytes = H * elt_bytes(x.element_type());
+  EpShapes sh;
+  JE_CHECK(check_dispatch_cached(op, m, x, x_scales, topk_weights, recv_src_metadata, psum_rank, psum_expert,
+                                 unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
+                                 num_experts, max_tokens_per_rank, expand, expert_alignment, zero_padding, &sh));
+  const Common& c = sh.c;
+  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
+  const bool has_w = sh.has_w;
   const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
@@ -438,37 +383,13 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  if (y.dimensions().size() != 2) return op_error(op, "y must be 2-D [rows, hidden], got " + shape_str(y));
-  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
-  const int64_t H = y.dimensions()[1], N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
-  Common c;
-  JE_CHECK(check_config(op, m, num_experts, max_tokens_per_rank, 0, 1, N, K, &c));
-  const int64_t rows_tok = c.R * c.M;
-  const int64_t rows = y.dimensions()[0];
-  if (!expand && rows != rows_tok)
-    return op_error(op, "y must have R*M=" + std::to_string(rows_tok) + " rows (non-expand), got " + shape_str(y));
-  JE_CHECK(check(op, "y", y, {rows, H}, {DT::BF16, DT::F32}));
-  const bool has_w = topk_weights.dimensions().size() > 0 && topk_weights.element_count() != 0;
-  if (has_w) {
-    if (expand) JE_CHECK(check(op, "topk_weights", topk_weights, {rows}, {DT::F32}));
-    else JE_CHECK(check(op, "topk_weights", topk_weights, {rows_tok, K}, {DT::F32}));
-  } else {
-    JE_CHECK(check(op, "topk_weights", topk_weights, {0}, {DT::F32}));
-  }
-  const bool has_b0 = bias0.dimensions().size() == 2 && bias0.dimensions()[0] != 0;
-  const bool has_b1 = bias1.dimensions().size() == 2 && bias1.dimensions()[0] != 0;
-  JE_CHECK(check(op, "bias0", bias0, {has_b0 ? N : 0, H}, {y.element_type()}));
-  JE_CHECK(check(op, "bias1", bias1, {has_b1 ? N : 0, H}, {y.element_type()}));
-  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {rows_tok, K + 2}, {DT::S32}));
-  JE_CHECK(check(op, "dst_row", dst_row, {N, c.R}, {DT::S32}));
-  JE_CHECK(check(op, "topk_idx", topk_idx, {N, K}, {DT::S32}));
-  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
-  JE_CHECK(check(op, "combined_x", *combined_x, {N, H}, {y.element_type()}));
-  JE_CHECK(check(op, "combined_topk_weights", *combined_topk_weights, {N, has_w ? K : 0}, {DT::F32}));
-  JE_CHECK(check_token(op, token, *token_out));
-  if (rows_tok >= (int64_t{1} << 31) || rows >= (int64_t{1} << 31))
-    return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
-  const int64_t row_bytes = H * elt_bytes(y.element_type());
+  EpShapes sh;
+  JE_CHECK(check_combine(op, m, y, topk_weights, bias0, bias1, recv_src_metadata, dst_row, topk_idx, psum_rank, token,
+                         *combined_x, *combined_topk_weights, *token_out, num_experts, max_tokens_per_rank, expand,
+                         &sh));
+  const Common& c = sh.c;
+  const int64_t N = sh.N, H = sh.H, K = sh.K, rows = sh.rows, row_bytes = sh.row_bytes;
+  const bool has_w = sh.has_w, has_b0 = sh.has_b0, has_b1 = sh.has_b1;
   const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes, /*push=*/true);
   Allocation* a;
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));

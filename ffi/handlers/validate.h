@@ -1,5 +1,6 @@
 // Validation shared by the CPU and CUDA EP handlers: dtype names and sizes, buffer shape/dtype checks whose
-// messages name the argument, and the static EP configuration checks.
+// messages name the argument, the static EP configuration checks, and every buffer of each EP op (check_dispatch,
+// check_dispatch_cached, check_combine: one definition of what the ops accept, for both backends).
 #pragma once
 #include <initializer_list>
 #include <string>
@@ -96,6 +97,159 @@ inline ffi::Error check_config(int32_t op, Member& m, int64_t num_experts, int64
   if (A <= 0) return op_error(op, "expert_alignment must be >= 1");
   *c = Common{R, M, num_experts, num_experts / R, K, N, ep_rows(expand != 0, R, M, K, num_experts / R, A)};
   return ffi::Error::Success();
+}
+
+
+// The token threaded between EP ops: float32 (what the Python layer passes: no convert kernel between chained
+// ops) or int32, a scalar; token_out has its dtype (the backends copy its 4 bytes).
+inline ffi::Error check_token(int32_t op, const ffi::AnyBuffer& token, const ffi::AnyBuffer& token_out) {
+  JE_CHECK(check(op, "token", token, {}, {DT::F32, DT::S32}));
+  JE_CHECK(check(op, "token_out", token_out, {}, {token.element_type()}));
+  return ffi::Error::Success();
+}
+
+// Sizes of one EP call, from its validated buffers and static attributes (the same on both backends).
+struct EpShapes {
+  Common c{};
+  int64_t N = 0, H = 0, K = 0;  // tokens, hidden, top-k
+  int64_t P = 0;                // dispatch: scale entries per token
+  int64_t rows = 0;             // rows of recv_x (dispatch) / y (combine)
+  int64_t rows_tok = 0;         // R * max_tokens_per_rank: rows of the rank-major (non-expand) layout
+  int64_t row_bytes = 0;        // bytes of an x / y row
+  bool has_w = false, has_b0 = false, has_b1 = false;
+};
+
+// Row indices are int32 in the kernels and the handle.
+inline ffi::Error check_row_count(int32_t op, const EpShapes& s) {
+  if (s.rows_tok >= (int64_t{1} << 31) || s.rows >= (int64_t{1} << 31))
+    return op_error(op, "R*max_tokens_per_rank must stay below 2^31 rows");
+  return ffi::Error::Success();
+}
+
+// recv_topk_weights of a dispatch: [rows] (expand) or [R*M, K] (non-expand) with weights, [0] without.
+inline ffi::Error check_recv_weights(int32_t op, const ffi::AnyBuffer& recv_topk_weights, const EpShapes& s,
+                                     bool expand) {
+  if (!s.has_w) return check(op, "recv_topk_weights", recv_topk_weights, {0}, {DT::F32});
+  if (expand) return check(op, "recv_topk_weights", recv_topk_weights, {s.rows}, {DT::F32});
+  return check(op, "recv_topk_weights", recv_topk_weights, {s.rows_tok, s.K}, {DT::F32});
+}
+
+// x [N, H] and x_scales [N, P] of a dispatch, with the config; fills N, H, K (given), P, rows, rows_tok, row_bytes.
+inline ffi::Error check_dispatch_input(int32_t op, Member& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                                       const ffi::AnyBuffer& topk_weights, int64_t K, int64_t num_experts, int64_t M,
+                                       int64_t expand, int64_t A, int64_t zero_padding, EpShapes* s) {
+  s->N = x.dimensions()[0];
+  s->H = x.dimensions()[1];
+  s->K = K;
+  JE_CHECK(check_config(op, m, num_experts, M, expand, A, s->N, K, &s->c));
+  if (zero_padding && !expand) return op_error(op, "zero_padding requires expand");
+  JE_CHECK(check(op, "x", x, {s->N, s->H}, {DT::BF16, DT::F16, DT::F32, DT::F8E4M3FN}));
+  JE_CHECK(check(op, "x_scales", x_scales, {s->N, -1}, {DT::F32, DT::S32}));
+  s->P = x_scales.dimensions()[1];
+  s->has_w = topk_weights.dimensions().size() == 2 && topk_weights.dimensions()[1] != 0;
+  JE_CHECK(check(op, "topk_weights", topk_weights, {s->N, s->has_w ? K : 0}, {DT::F32}));
+  s->rows = s->c.rows;
+  s->rows_tok = s->c.R * s->c.M;
+  s->row_bytes = s->H * elt_bytes(x.element_type());
+  return check_row_count(op, *s);
+}
+
+// Every buffer of a full dispatch.
+inline ffi::Error check_dispatch(int32_t op, Member& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                                 const ffi::AnyBuffer& topk_idx, const ffi::AnyBuffer& topk_weights,
+                                 const ffi::AnyBuffer& token, const ffi::AnyBuffer& recv_x,
+                                 const ffi::AnyBuffer& recv_x_scales, const ffi::AnyBuffer& recv_topk_idx,
+                                 const ffi::AnyBuffer& recv_topk_weights, const ffi::AnyBuffer& psum_rank,
+                                 const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& unaligned,
+                                 const ffi::AnyBuffer& recv_src_metadata, const ffi::AnyBuffer& dst_row,
+                                 const ffi::AnyBuffer& num_recv_tokens, const ffi::AnyBuffer& group_sizes,
+                                 const ffi::AnyBuffer& token_out, int64_t num_experts, int64_t M, int64_t expand,
+                                 int64_t A, int64_t zero_padding, EpShapes* s) {
+  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
+  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
+  const int64_t K = topk_idx.dimensions()[1];
+  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
+  const Common& c = s->c;
+  JE_CHECK(check(op, "topk_idx", topk_idx, {s->N, K}, {DT::S32}));
+  JE_CHECK(check(op, "recv_x", recv_x, {c.rows, s->H}, {x.element_type()}));
+  JE_CHECK(check(op, "recv_x_scales", recv_x_scales, {c.rows, s->P}, {x_scales.element_type()}));
+  JE_CHECK(check(op, "recv_topk_idx", recv_topk_idx, {expand ? 0 : s->rows_tok, K}, {DT::S32}));
+  JE_CHECK(check_recv_weights(op, recv_topk_weights, *s, expand != 0));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s->rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {s->N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "num_recv_tokens", num_recv_tokens, {}, {DT::S32}));
+  JE_CHECK(check(op, "group_sizes", group_sizes, {c.E_loc}, {DT::S32}));
+  return check_token(op, token, token_out);
+}
+
+// Every buffer of a cached dispatch (the handle in place of topk_idx).
+inline ffi::Error check_dispatch_cached(int32_t op, Member& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                                        const ffi::AnyBuffer& topk_weights, const ffi::AnyBuffer& recv_src_metadata,
+                                        const ffi::AnyBuffer& psum_rank, const ffi::AnyBuffer& psum_expert,
+                                        const ffi::AnyBuffer& unaligned, const ffi::AnyBuffer& dst_row,
+                                        const ffi::AnyBuffer& token, const ffi::AnyBuffer& recv_x,
+                                        const ffi::AnyBuffer& recv_x_scales, const ffi::AnyBuffer& recv_topk_weights,
+                                        const ffi::AnyBuffer& token_out, int64_t num_experts, int64_t M,
+                                        int64_t expand, int64_t A, int64_t zero_padding, EpShapes* s) {
+  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
+  if (recv_src_metadata.dimensions().size() != 2)
+    return op_error(op, "recv_src_metadata must be 2-D [R*M, K+2], got " + shape_str(recv_src_metadata));
+  const int64_t K = recv_src_metadata.dimensions()[1] - 2;
+  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
+  const Common& c = s->c;
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s->rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {s->N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "recv_x", recv_x, {c.rows, s->H}, {x.element_type()}));
+  JE_CHECK(check(op, "recv_x_scales", recv_x_scales, {c.rows, s->P}, {x_scales.element_type()}));
+  JE_CHECK(check_recv_weights(op, recv_topk_weights, *s, expand != 0));
+  return check_token(op, token, token_out);
+}
+
+// Every buffer of a combine. rows = y's rows: R*M (non-expand) or the dispatch's expand row count, which depends
+// on the alignment the combine does not know (the metadata bounds the rows it reads).
+inline ffi::Error check_combine(int32_t op, Member& m, const ffi::AnyBuffer& y, const ffi::AnyBuffer& topk_weights,
+                                const ffi::AnyBuffer& bias0, const ffi::AnyBuffer& bias1,
+                                const ffi::AnyBuffer& recv_src_metadata, const ffi::AnyBuffer& dst_row,
+                                const ffi::AnyBuffer& topk_idx, const ffi::AnyBuffer& psum_rank,
+                                const ffi::AnyBuffer& token, const ffi::AnyBuffer& combined_x,
+                                const ffi::AnyBuffer& combined_topk_weights, const ffi::AnyBuffer& token_out,
+                                int64_t num_experts, int64_t M, int64_t expand, EpShapes* s) {
+  if (y.dimensions().size() != 2) return op_error(op, "y must be 2-D [rows, hidden], got " + shape_str(y));
+  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
+  const int64_t H = y.dimensions()[1], N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  s->N = N;
+  s->H = H;
+  s->K = K;
+  JE_CHECK(check_config(op, m, num_experts, M, 0, 1, N, K, &s->c));
+  const Common& c = s->c;
+  s->rows_tok = c.R * c.M;
+  s->rows = y.dimensions()[0];
+  if (!expand && s->rows != s->rows_tok)
+    return op_error(op, "y must have R*M=" + std::to_string(s->rows_tok) + " rows (non-expand), got " + shape_str(y));
+  JE_CHECK(check(op, "y", y, {s->rows, H}, {DT::BF16, DT::F32}));
+  s->has_w = topk_weights.dimensions().size() > 0 && topk_weights.element_count() != 0;
+  if (!s->has_w) JE_CHECK(check(op, "topk_weights", topk_weights, {0}, {DT::F32}));
+  else if (expand) JE_CHECK(check(op, "topk_weights", topk_weights, {s->rows}, {DT::F32}));
+  else JE_CHECK(check(op, "topk_weights", topk_weights, {s->rows_tok, K}, {DT::F32}));
+  s->has_b0 = bias0.dimensions().size() == 2 && bias0.dimensions()[0] != 0;
+  s->has_b1 = bias1.dimensions().size() == 2 && bias1.dimensions()[0] != 0;
+  JE_CHECK(check(op, "bias0", bias0, {s->has_b0 ? N : 0, H}, {y.element_type()}));
+  JE_CHECK(check(op, "bias1", bias1, {s->has_b1 ? N : 0, H}, {y.element_type()}));
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s->rows_tok, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {N, c.R}, {DT::S32}));
+  JE_CHECK(check(op, "topk_idx", topk_idx, {N, K}, {DT::S32}));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "combined_x", combined_x, {N, H}, {y.element_type()}));
+  JE_CHECK(check(op, "combined_topk_weights", combined_topk_weights, {N, s->has_w ? K : 0}, {DT::F32}));
+  JE_CHECK(check_token(op, token, token_out));
+  s->row_bytes = H * elt_bytes(y.element_type());
+  return check_row_count(op, *s);
 }
 
 
