@@ -24,6 +24,7 @@
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/ep_bindings.h"
 #include "handlers/cuda_ep.h"
 #include "handlers/validate.h"
 #include "jax_engram/ep_layout.h"
@@ -437,85 +438,17 @@ int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t 
   return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes, expand);
 }
 
+// Context arguments of every handler here: XLA's stream and the device ordinal.
+inline auto cuda_context() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCuda, EpDispatchCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // x_scales
-                                  .Arg<ffi::AnyBuffer>()  // topk_idx
-                                  .Arg<ffi::AnyBuffer>()  // topk_weights
-                                  .Arg<ffi::AnyBuffer>()  // token
-                                  .Ret<ffi::AnyBuffer>()  // recv_x
-                                  .Ret<ffi::AnyBuffer>()  // recv_x_scales
-                                  .Ret<ffi::AnyBuffer>()  // recv_topk_idx
-                                  .Ret<ffi::AnyBuffer>()  // recv_topk_weights
-                                  .Ret<ffi::AnyBuffer>()  // psum_rank
-                                  .Ret<ffi::AnyBuffer>()  // psum_expert
-                                  .Ret<ffi::AnyBuffer>()  // unaligned
-                                  .Ret<ffi::AnyBuffer>()  // recv_src_metadata
-                                  .Ret<ffi::AnyBuffer>()  // dst_row
-                                  .Ret<ffi::AnyBuffer>()  // num_recv_tokens
-                                  .Ret<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // token_out
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens_per_rank")
-                                  .Attr<int64_t>("expand")
-                                  .Attr<int64_t>("expert_alignment")
-                                  .Attr<int64_t>("zero_padding")
-                                  .Attr<int64_t>("num_sms"));
+                              bind_ep_dispatch(cuda_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedCuda, EpDispatchCachedCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // x_scales
-                                  .Arg<ffi::AnyBuffer>()  // topk_weights
-                                  .Arg<ffi::AnyBuffer>()  // recv_src_metadata
-                                  .Arg<ffi::AnyBuffer>()  // psum_rank
-                                  .Arg<ffi::AnyBuffer>()  // psum_expert
-                                  .Arg<ffi::AnyBuffer>()  // unaligned
-                                  .Arg<ffi::AnyBuffer>()  // dst_row
-                                  .Arg<ffi::AnyBuffer>()  // token
-                                  .Ret<ffi::AnyBuffer>()  // recv_x
-                                  .Ret<ffi::AnyBuffer>()  // recv_x_scales
-                                  .Ret<ffi::AnyBuffer>()  // recv_topk_weights
-                                  .Ret<ffi::AnyBuffer>()  // token_out
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens_per_rank")
-                                  .Attr<int64_t>("expand")
-                                  .Attr<int64_t>("expert_alignment")
-                                  .Attr<int64_t>("zero_padding")
-                                  .Attr<int64_t>("num_sms"));
+                              bind_ep_dispatch_cached(cuda_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCuda, EpCombineCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // y
-                                  .Arg<ffi::AnyBuffer>()  // topk_weights
-                                  .Arg<ffi::AnyBuffer>()  // bias0
-                                  .Arg<ffi::AnyBuffer>()  // bias1
-                                  .Arg<ffi::AnyBuffer>()  // recv_src_metadata
-                                  .Arg<ffi::AnyBuffer>()  // dst_row
-                                  .Arg<ffi::AnyBuffer>()  // topk_idx
-                                  .Arg<ffi::AnyBuffer>()  // psum_rank
-                                  .Arg<ffi::AnyBuffer>()  // token
-                                  .Ret<ffi::AnyBuffer>()  // combined_x
-                                  .Ret<ffi::AnyBuffer>()  // combined_topk_weights
-                                  .Ret<ffi::AnyBuffer>()  // token_out
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens_per_rank")
-                                  .Attr<int64_t>("expand")
-                                  .Attr<int64_t>("num_sms"));
+                              bind_ep_combine(cuda_context()));
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
