@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "handlers/common.h"
+#include "handlers/engram_validate.h"
 #include "jax_engram/engram_layout.h"
 #include "kernels/cuda/base.h"
 #include "kernels/cuda/engram.cuh"
@@ -28,7 +29,7 @@
 namespace jax_engram {
 namespace {
 
-std::string num(int64_t v) { return std::to_string(v); }
+using namespace engram_validate;
 
 ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
   return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
@@ -82,15 +83,6 @@ ffi::Error order_after(Member& m, int32_t op, cudaStream_t from, cudaStream_t to
   return ffi::Error::Success();
 }
 
-ffi::Error sf_region(Member& m, int64_t sf_alloc_id, int64_t sf_offset, uint64_t sf_bytes, int32_t op, uint8_t** out) {
-  *out = nullptr;
-  if (sf_bytes == 0) return ffi::Error::Success();
-  Allocation* a;
-  if (auto e = check_region(m, sf_alloc_id, sf_offset, sf_bytes, op, &a); !e.success()) return e;
-  *out = a->local + sf_offset;
-  return ffi::Error::Success();
-}
-
 ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage,
                            ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id,
                            int64_t offset, int64_t num_entries, int64_t row_bytes, int64_t sf_alloc_id,
@@ -100,16 +92,14 @@ ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  const uint64_t n = static_cast<uint64_t>(num_entries) * row_bytes;
-  if (storage.size_bytes() != n)
-    return op_error(op, "storage has " + num(storage.size_bytes()) + " bytes, the table shard needs " + num(n) +
-                            " (num_entries " + num(num_entries) + " x " + num(row_bytes) + " bytes per row)");
-  if (sf.size_bytes() != static_cast<uint64_t>(sf_bytes))
-    return op_error(op, "sf has " + num(sf.size_bytes()) + " bytes, expected " + num(sf_bytes));
-  Allocation* a;
-  if (auto e = check_region(m, alloc_id, offset, n, op, &a); !e.success()) return e;
-  uint8_t* sf_dst;
-  if (auto e = sf_region(m, sf_alloc_id, sf_offset, sf_bytes, op, &sf_dst); !e.success()) return e;
+  WriteRegions w;
+  if (auto e = check_write(op, m, storage, sf, alloc_id, offset, num_entries, row_bytes, sf_alloc_id, sf_offset,
+                           sf_bytes, &w);
+      !e.success())
+    return e;
+  const uint64_t n = w.n;
+  Allocation* a = w.a;
+  uint8_t* sf_dst = w.sf_dst;
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
@@ -145,32 +135,16 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  if (indices.element_type() != ffi::DataType::S32 || indices.dimensions().size() != 2)
-    return op_error(op, "indices must be an int32 [T, E] array");
-  const int64_t T = indices.dimensions()[0], E = indices.dimensions()[1];
-  if (mode < engram::kModeFill || mode > engram::kModeChecked) return op_error(op, "bad mode " + num(mode));
-  if (sf_layout != engram::kSfRow && sf_layout != engram::kSfTmaColMajor)
-    return op_error(op, "bad sf_layout " + num(sf_layout));
-  if (data->size_bytes() != static_cast<uint64_t>(T * E * row_bytes))
-    return op_error(op, "data result has " + num(data->size_bytes()) + " bytes, expected T*E*row_bytes = " +
-                            num(T * E * row_bytes));
-  const int64_t P = num_sf_packs;
-  const int64_t sf_elems = P > 0 ? engram::sf_out_elems(T, E * P, static_cast<int32_t>(sf_layout)) : 0;
-  if (sf_out->size_bytes() != static_cast<uint64_t>(sf_elems * engram::kSfWordBytes))
-    return op_error(op, "sf result has " + num(sf_out->size_bytes()) + " bytes, expected " +
-                            num(sf_elems * engram::kSfWordBytes));
-  if (status->size_bytes() != sizeof(int32_t)) return op_error(op, "status result must be one int32");
-  const int64_t total = static_cast<int64_t>(m.nranks) * num_entries;
-  Allocation* a;
-  if (auto e = check_region(m, alloc_id, offset, static_cast<uint64_t>(num_entries) * row_bytes, op, &a);
+  FetchShapes fs;
+  if (auto e = check_fetch(op, m, indices, *data, *sf_out, *status, alloc_id, offset, num_entries, row_bytes,
+                           mode, sf_alloc_id, sf_offset, num_sf_packs, sf_layout, &fs);
       !e.success())
     return e;
-  if (!a->peers_device) return op_error(op, "the table's allocation is not connected", ffi::ErrorCode::kFailedPrecondition);
-  uint8_t* sf_table;
-  if (auto e = sf_region(m, sf_alloc_id, sf_offset,
-                         static_cast<uint64_t>(P > 0 ? total * P * engram::kSfWordBytes : 0), op, &sf_table);
-      !e.success())
-    return e;
+  const int64_t T = fs.T, E = fs.E, P = fs.P, total = fs.total;
+  Allocation* a = fs.a;
+  uint8_t* sf_table = fs.sf_table;
+  if (!a->peers_device)
+    return op_error(op, "the table's allocation is not connected", ffi::ErrorCode::kFailedPrecondition);
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
