@@ -229,11 +229,12 @@ JE_DEVICE V ld_cg(const V* p) {
   return __ldcg(p);
 }
 
-// Copies `nbytes` from src to the rows `row(b)` (b = set bits of `mask`, row value broadcast from lane b of
-// `row_val`) of dst_base with stride `dst_stride`. All 32 lanes call it with the same arguments.
-template <typename V, int U>
-__device__ __noinline__ void warp_copy_v(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst_base, int64_t dst_stride,
-                           unsigned mask, int64_t row_val, int64_t nbytes, int lane) {
+// Copies `nbytes` from src to the destinations of the set bits of `mask` (dst(b): where bit b's copy goes, the same
+// on every lane): each vector is loaded once and stored to every destination. All 32 lanes call it with the same
+// arguments.
+template <typename V, int U, typename Dst>
+__device__ __noinline__ void warp_fanout_v(const uint8_t* __restrict__ src, unsigned mask, Dst dst, int64_t nbytes,
+                                           int lane) {
   const V* s = reinterpret_cast<const V*>(src);
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
   for (int64_t base = 0; base < n; base += 32 * U) {
@@ -247,8 +248,7 @@ __device__ __noinline__ void warp_copy_v(const uint8_t* __restrict__ src, uint8_
     while (mm) {
       const int b = __ffs(mm) - 1;
       mm &= mm - 1;
-      const int64_t row = __shfl_sync(kFull, row_val, b);
-      V* d = reinterpret_cast<V*>(dst_base + row * dst_stride);
+      V* d = reinterpret_cast<V*>(dst(b));
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t idx = base + u * 32 + lane;
@@ -256,6 +256,15 @@ __device__ __noinline__ void warp_copy_v(const uint8_t* __restrict__ src, uint8_
       }
     }
   }
+}
+
+// Rows `row(b)` (b = set bits of `mask`, row value broadcast from lane b of `row_val`) of dst_base, stride
+// `dst_stride`.
+template <typename V, int U>
+JE_DEVICE void warp_copy_v(const uint8_t* src, uint8_t* dst_base, int64_t dst_stride, unsigned mask, int64_t row_val,
+                           int64_t nbytes, int lane) {
+  warp_fanout_v<V, U>(
+      src, mask, [=](int b) { return dst_base + __shfl_sync(kFull, row_val, b) * dst_stride; }, nbytes, lane);
 }
 
 JE_DEVICE int access_width(const void* src, const void* dst, int64_t stride, int64_t nbytes) {

@@ -184,32 +184,13 @@ JE_DEVICE bool wait_range_routing(const EpDispatchParams& p, const Slot& sl, int
   return true;
 }
 
-// Copies `nbytes` from src to the destinations of the set bits of `mask` (destination of bit b = lane_dst of lane
-// b): each vector is loaded once and stored to every destination. All 32 lanes call it with the same mask.
+// Copies `nbytes` from src to the destinations of the set bits of `mask`: bit b's is lane b's `lane_dst`.
 template <typename V, int U>
-__device__ __noinline__ void warp_push_v(const uint8_t* __restrict__ src, unsigned mask, uint8_t* lane_dst,
-                                         int64_t nbytes, int lane) {
-  const V* s = reinterpret_cast<const V*>(src);
-  const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t base = 0; base < n; base += 32 * U) {
-    V v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t idx = base + u * 32 + lane;
-      if (idx < n) v[u] = ld_cg(s + idx);
-    }
-    unsigned mm = mask;
-    while (mm) {
-      const int b = __ffs(mm) - 1;
-      mm &= mm - 1;
-      V* d = reinterpret_cast<V*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_dst), b));
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t idx = base + u * 32 + lane;
-        if (idx < n) d[idx] = v[u];
-      }
-    }
-  }
+JE_DEVICE void warp_push_v(const uint8_t* src, unsigned mask, uint8_t* lane_dst, int64_t nbytes, int lane) {
+  const auto dst = [=](int b) {
+    return reinterpret_cast<uint8_t*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_dst), b));
+  };
+  warp_fanout_v<V, U>(src, mask, dst, nbytes, lane);
 }
 
 JE_DEVICE void warp_push(const uint8_t* src, unsigned mask, uint8_t* lane_dst, int64_t nbytes, int lane) {
@@ -263,6 +244,26 @@ JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t h
       }
     }
   }
+}
+
+// Stage warp `warp` of SW: chunk li = warp, warp + SW, ... of the CTA's range [t0, t0 + len) (tokens below te),
+// token by token (push_token; destination positions pos_of(t, d)); a progress release after each non-empty chunk,
+// counting empty chunks too (the receivers wait for li / SW + 1). Copy-engine rows: the routing rows only, released
+// once: under the copy engine's traffic each release waited for this warp's small stores to cross a saturated link
+// (~11 us a chunk on 2xH200: a 4096-token call's routing rows took the stage warps ~250 us), and the receivers
+// waited for them.
+template <typename PosOf>
+JE_DEVICE void push_chunks(const EpDispatchParams& p, const Half& own, uint64_t hoff, uint64_t seq, int t0, int len,
+                           int te, int warp, int SW, bool meta, PosOf pos_of, int lane) {
+  int n = 0;
+  for (int li = warp; li < p.chunk; li += SW) {
+    ++n;
+    const int cb = ep_chunk_begin(t0, len, p.chunk, li), ce = min(ep_chunk_begin(t0, len, p.chunk, li + 1), te);
+    if (cb >= ce) continue;
+    for (int t = cb; t < ce; ++t) push_token(p, own, hoff, t, meta, [&](int d) { return pos_of(t, d); }, lane);
+    if (!p.ce_pieces) publish_progress(p, hoff, seq, n, warp, lane);
+  }
+  if (p.ce_pieces && n > 0) publish_progress(p, hoff, seq, n, warp, lane);
 }
 
 // Zero padding rows of the expand layout: rows [start+count, start+align(count, A)) of every local expert,
@@ -559,21 +560,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   if (warp < SW) {
     // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
     if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
-      const int te_all = min(t1, N);
-      int n = 0;
-      for (int li = warp; li < NCH; li += SW) {
-        ++n;  // counts empty chunks too: the receivers wait for li / SW + 1
-        const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
-        if (cb >= ce) continue;
-        for (int t = cb; t < ce; ++t)
-          push_token(p, own, hoff, t, true, [&](int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; },
-                     lane);
-        if (!p.ce_pieces) publish_progress(p, hoff, seq, n, warp, lane);
-      }
-      // Copy-engine rows: the routing rows only, published once. Under the copy engine's traffic each release of a
-      // progress word waited for this warp's small stores to cross a saturated link (~11 us a chunk on 2xH200: the
-      // routing rows of a 4096-token call took the stage warps ~250 us), and the receivers waited for them.
-      if (p.ce_pieces && n > 0) publish_progress(p, hoff, seq, n, warp, lane);
+      push_chunks(p, own, hoff, seq, t0, len, min(t1, N), warp, SW, true,
+                  [&](int t, int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; }, lane);
     }
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
@@ -772,18 +760,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   if (warp < SW) {  // the chunks of the full dispatch (ranges from M, tokens below N)
     int t0, t1;
     ep_cta_tokens(M, G, c, &t0, &t1);
-    const int len = t1 - t0, te_all = min(t1, N);
-    int n = 0;
-    for (int li = warp; li < NCH; li += SW) {
-      ++n;
-      const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), te_all);
-      if (cb >= ce) continue;
-      for (int t = cb; t < ce; ++t)
-        push_token(p, own, hoff, t, false, [&](int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; },
-                   lane);
-      if (!p.ce_pieces) publish_progress(p, hoff, seq, n, warp, lane);
-    }
-    if (p.ce_pieces && n > 0) publish_progress(p, hoff, seq, n, warp, lane);  // as in the full dispatch
+    push_chunks(p, own, hoff, seq, t0, t1 - t0, min(t1, N), warp, SW, false,
+                [&](int t, int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; }, lane);
     bar_sync(1, SW * 32);
     if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq);
     bar_sync(2, blockDim.x);
