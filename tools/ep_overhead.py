@@ -11,20 +11,15 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_engram as je
+from _ep_setup import E, setup
 
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 50
-H, K, E = 7168, 8, 256
-devs = jax.devices()[:2]
-R = len(devs)
-mesh = Mesh(np.array(devs), ("ep",))
-ctx = je.init(mesh, "ep")
-rng = np.random.default_rng(0)
-tk = np.argsort(rng.random((R * M, E)), axis=-1)[..., :K].astype(np.int32)
-x = rng.standard_normal((R * M, H)).astype(np.float32)
+mesh, ctx, R, tk, x = setup(M)
+tk, x = tk.reshape(R * M, -1), x.reshape(R * M, -1)
 xs = jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, P("ep")))
 ts = jax.device_put(tk, NamedSharding(mesh, P("ep")))
 kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M)

@@ -10,25 +10,18 @@ import os
 import sys
 
 os.environ.setdefault("JAX_ENGRAM_EP_TRACE", "1")
-import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
+from _ep_setup import E, setup  # noqa: E402
 
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 expand = len(sys.argv) > 2 and sys.argv[2] == "expand"
 calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 loop = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-H, K, E = 7168, 8, 256
-devs = jax.devices()[:2]
-R = len(devs)
-mesh = Mesh(np.array(devs), ("ep",))
-ctx = je.init(mesh, "ep")
-rng = np.random.default_rng(0)
-tk = np.argsort(rng.random((R, M, E)), axis=-1)[..., :K].astype(np.int32)
-x = rng.standard_normal((R, M, H)).astype(np.float32)
+mesh, ctx, R, tk, x = setup(M)
 
 
 def f(x, tk):
