@@ -28,6 +28,29 @@ void copy_token(const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
   std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
 }
 
+// The staging region of a dispatch (full or cached) of these sizes.
+ffi::Error dispatch_region(Member& m, int32_t op, const EpShapes& sh, int64_t alloc_id, int64_t offset,
+                           Allocation** a) {
+  const auto L = EpDispatchLayout::make(sh.c.R, sh.c.M, sh.K, sh.c.E, sh.row_bytes, sh.P);
+  return check_region(m, alloc_id, offset, L.total_bytes(), op, a);
+}
+
+// The fields the full and the cached dispatch's arguments share (cpu::EpDispatchArgs, cpu::EpCachedArgs).
+template <typename Args>
+void dispatch_args(const EpShapes& sh, int64_t A, int64_t expand, const ffi::AnyBuffer& x,
+                   const ffi::AnyBuffer& x_scales, const ffi::AnyBuffer& topk_weights, ffi::AnyBuffer recv_x,
+                   ffi::AnyBuffer recv_x_scales, ffi::AnyBuffer recv_topk_weights, Args* args) {
+  args->c = cpu::EpConfig{sh.c.M, sh.N, sh.K, sh.c.E, A, expand != 0, sh.c.rows};
+  args->x = static_cast<const uint8_t*>(x.untyped_data());
+  args->x_bytes = sh.row_bytes;
+  args->sf = static_cast<const uint8_t*>(x_scales.untyped_data());
+  args->sf_bytes = sh.P * 4;
+  args->w = sh.has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  args->recv_x = static_cast<uint8_t*>(recv_x.untyped_data());
+  args->recv_sf = static_cast<uint8_t*>(recv_x_scales.untyped_data());
+  args->recv_w = sh.has_w ? static_cast<float*>(recv_topk_weights.untyped_data()) : nullptr;
+}
+
 ffi::Error EpDispatchCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::AnyBuffer topk_idx,
                          ffi::AnyBuffer topk_weights, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> recv_x,
                          ffi::Result<ffi::AnyBuffer> recv_x_scales, ffi::Result<ffi::AnyBuffer> recv_topk_idx,
@@ -49,25 +72,13 @@ ffi::Error EpDispatchCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_sca
                           *num_recv_tokens, *group_sizes, *token_out, num_experts, max_tokens_per_rank, expand,
                           expert_alignment, zero_padding, &sh));
   copy_token(token, *token_out);
-  const Common& c = sh.c;
-  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
-  const bool has_w = sh.has_w;
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
   Allocation* a;
-  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-
+  JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
   cpu::EpDispatchArgs args;
-  args.c = cpu::EpConfig{c.M, N, K, c.E, expert_alignment, expand != 0, c.rows};
-  args.x = static_cast<const uint8_t*>(x.untyped_data());
-  args.x_bytes = x_bytes;
-  args.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
-  args.sf_bytes = P * 4;
+  dispatch_args(sh, expert_alignment, expand, x, x_scales, topk_weights, *recv_x, *recv_x_scales, *recv_topk_weights,
+                &args);
   args.topk = static_cast<const int32_t*>(topk_idx.untyped_data());
-  args.w = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
-  args.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-  args.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
   args.recv_topk = expand ? nullptr : static_cast<int32_t*>(recv_topk_idx->untyped_data());
-  args.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
   args.psum_rank = static_cast<int32_t*>(psum_rank->untyped_data());
   args.psum_expert = static_cast<int32_t*>(psum_expert->untyped_data());
   args.unaligned = static_cast<int32_t*>(unaligned->untyped_data());
@@ -98,27 +109,15 @@ ffi::Error EpDispatchCachedCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
                                  unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
                                  num_experts, max_tokens_per_rank, expand, expert_alignment, zero_padding, &sh));
   copy_token(token, *token_out);
-  const Common& c = sh.c;
-  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
-  const bool has_w = sh.has_w;
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P);
   Allocation* a;
-  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-
+  JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
   cpu::EpCachedArgs args;
-  args.c = cpu::EpConfig{c.M, N, K, c.E, expert_alignment, expand != 0, c.rows};
-  args.x = static_cast<const uint8_t*>(x.untyped_data());
-  args.x_bytes = x_bytes;
-  args.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
-  args.sf_bytes = P * 4;
-  args.w = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  dispatch_args(sh, expert_alignment, expand, x, x_scales, topk_weights, *recv_x, *recv_x_scales, *recv_topk_weights,
+                &args);
   args.meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
   args.psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
   args.psum_expert = static_cast<const int32_t*>(psum_expert.untyped_data());
   args.unaligned = static_cast<const int32_t*>(unaligned.untyped_data());
-  args.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-  args.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
-  args.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
   if (!cpu::ep_dispatch_cached(m, *a, static_cast<uint64_t>(offset), args)) return finish(s, num_experts);
   return s.check_recorded();
 }

@@ -247,6 +247,52 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   return ffi::Error::Success();
 }
 
+// What the full and the cached dispatch share once their buffers are validated: the staging region, the copy-engine
+// choice and launch shape, the window, the config, and the operands / results both have. The caller fills the
+// rest. `g` (the caller's, alive until the launch) has selected the device.
+struct DispatchLaunch {
+  EpDispatchParams p;
+  EpLaunch l;
+  Allocation* a = nullptr;
+};
+ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, const EpShapes& sh, int64_t alloc_id,
+                            int64_t offset, int64_t num_sms, int64_t expand, int64_t A, int64_t zero_padding,
+                            const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                            const ffi::AnyBuffer& topk_weights, const ffi::AnyBuffer& token,
+                            const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_x_scales,
+                            const ffi::AnyBuffer& recv_topk_weights, const ffi::AnyBuffer& token_out,
+                            DispatchLaunch* d) {
+  const Common& c = sh.c;
+  const auto L = EpDispatchLayout::make(c.R, c.M, sh.K, c.E, sh.row_bytes, sh.P, /*push=*/true);
+  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &d->a));
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, sh.K, c.E, sh.row_bytes, expand != 0) : 0;
+  d->l = launch_shape(m, num_sms, ce ? 4 : 6);
+  if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
+  EpDispatchParams& p = d->p;
+  JE_CHECK(make_window(m, *d->a, offset, op, &p.w));
+  p.L = L;
+  p.M = static_cast<int32_t>(c.M);
+  p.N = static_cast<int32_t>(sh.N);
+  p.K = static_cast<int32_t>(sh.K);
+  p.E = static_cast<int32_t>(c.E);
+  p.A = static_cast<int32_t>(A);
+  p.expand = expand != 0;
+  p.zero_padding = zero_padding != 0;
+  p.rows = c.rows;
+  p.x_bytes = sh.row_bytes;
+  p.sf_bytes = sh.P * 4;
+  p.x = static_cast<const uint8_t*>(x.untyped_data());
+  p.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
+  p.weights = sh.has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  p.token = static_cast<const int32_t*>(token.untyped_data());
+  p.recv_x = static_cast<uint8_t*>(recv_x.untyped_data());
+  p.recv_sf = static_cast<uint8_t*>(recv_x_scales.untyped_data());
+  p.recv_w = sh.has_w ? static_cast<float*>(recv_topk_weights.untyped_data()) : nullptr;
+  p.token_out = static_cast<int32_t*>(token_out.untyped_data());
+  p.ce_pieces = ce;
+  return ffi::Error::Success();
+}
+
 ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
                           ffi::AnyBuffer topk_idx, ffi::AnyBuffer topk_weights, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
@@ -267,41 +313,17 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
                           *recv_topk_weights, *psum_rank, *psum_expert, *unaligned, *recv_src_metadata, *dst_row,
                           *num_recv_tokens, *group_sizes, *token_out, num_experts, max_tokens_per_rank, expand,
                           expert_alignment, zero_padding, &sh));
-  const Common& c = sh.c;
-  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
-  const bool has_w = sh.has_w;
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
-  Allocation* a;
-  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes, expand != 0) : 0;
-  const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
-  if (ep_dispatch_smem_bytes(c.R, c.E, l.stage_warps, nullptr, nullptr) < 0)
-    return op_error(op, "ranks + experts = " + std::to_string(c.R + c.E) + " is too large for the layout kernel");
-
   CudaDeviceGuard g(ordinal);
-  if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
-  EpDispatchParams p;
-  JE_CHECK(make_window(m, *a, offset, op, &p.w));
-  p.L = L;
-  p.M = static_cast<int32_t>(c.M);
-  p.N = static_cast<int32_t>(N);
-  p.K = static_cast<int32_t>(K);
-  p.E = static_cast<int32_t>(c.E);
-  p.A = static_cast<int32_t>(expert_alignment);
-  p.expand = expand != 0;
-  p.zero_padding = zero_padding != 0;
-  p.rows = c.rows;
-  p.x_bytes = x_bytes;
-  p.sf_bytes = P * 4;
-  p.x = static_cast<const uint8_t*>(x.untyped_data());
-  p.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
+  DispatchLaunch d;
+  JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
+                            x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
+                            &d));
+  if (ep_dispatch_smem_bytes(sh.c.R, sh.c.E, d.l.stage_warps, nullptr, nullptr) < 0)
+    return op_error(op, "ranks + experts = " + std::to_string(sh.c.R + sh.c.E) +
+                            " is too large for the layout kernel");
+  EpDispatchParams& p = d.p;
   p.topk = static_cast<const int32_t*>(topk_idx.untyped_data());
-  p.weights = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
-  p.token = static_cast<const int32_t*>(token.untyped_data());
-  p.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-  p.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
   p.recv_topk = expand ? nullptr : static_cast<int32_t*>(recv_topk_idx->untyped_data());
-  p.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
   p.psum_rank = static_cast<int32_t*>(psum_rank->untyped_data());
   p.psum_expert = static_cast<int32_t*>(psum_expert->untyped_data());
   p.unaligned = static_cast<int32_t*>(unaligned->untyped_data());
@@ -309,9 +331,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   p.dst_row = static_cast<int32_t*>(dst_row->untyped_data());
   p.num_recv = static_cast<int32_t*>(num_recv_tokens->untyped_data());
   p.group_sizes = static_cast<int32_t*>(group_sizes->untyped_data());
-  p.token_out = static_cast<int32_t*>(token_out->untyped_data());
-  p.ce_pieces = ce;
-  return launch_dispatch_counted(m, *a, p, l, stream, launch_ep_dispatch, "launching the dispatch kernel");
+  return launch_dispatch_counted(m, *d.a, p, d.l, stream, launch_ep_dispatch, "launching the dispatch kernel");
 }
 
 ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
@@ -331,45 +351,18 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   JE_CHECK(check_dispatch_cached(op, m, x, x_scales, topk_weights, recv_src_metadata, psum_rank, psum_expert,
                                  unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
                                  num_experts, max_tokens_per_rank, expand, expert_alignment, zero_padding, &sh));
-  const Common& c = sh.c;
-  const int64_t N = sh.N, K = sh.K, P = sh.P, x_bytes = sh.row_bytes;
-  const bool has_w = sh.has_w;
-  const auto L = EpDispatchLayout::make(c.R, c.M, K, c.E, x_bytes, P, /*push=*/true);
-  Allocation* a;
-  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, K, c.E, x_bytes, expand != 0) : 0;
-  const EpLaunch l = launch_shape(m, num_sms, ce ? 4 : 6);
-
   CudaDeviceGuard g(ordinal);
-  if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
-  EpDispatchParams p;
-  JE_CHECK(make_window(m, *a, offset, op, &p.w));
-  p.L = L;
-  p.M = static_cast<int32_t>(c.M);
-  p.N = static_cast<int32_t>(N);
-  p.K = static_cast<int32_t>(K);
-  p.E = static_cast<int32_t>(c.E);
-  p.A = static_cast<int32_t>(expert_alignment);
-  p.expand = expand != 0;
-  p.zero_padding = zero_padding != 0;
-  p.rows = c.rows;
-  p.x_bytes = x_bytes;
-  p.sf_bytes = P * 4;
-  p.x = static_cast<const uint8_t*>(x.untyped_data());
-  p.sf = static_cast<const uint8_t*>(x_scales.untyped_data());
-  p.weights = has_w ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
-  p.token = static_cast<const int32_t*>(token.untyped_data());
+  DispatchLaunch d;
+  JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
+                            x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
+                            &d));
+  EpDispatchParams& p = d.p;
   p.h_meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
   p.h_psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
   p.h_psum_expert = static_cast<const int32_t*>(psum_expert.untyped_data());
   p.h_unaligned = static_cast<const int32_t*>(unaligned.untyped_data());
   p.h_dst_row = static_cast<const int32_t*>(dst_row.untyped_data());
-  p.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-  p.recv_sf = static_cast<uint8_t*>(recv_x_scales->untyped_data());
-  p.recv_w = has_w ? static_cast<float*>(recv_topk_weights->untyped_data()) : nullptr;
-  p.token_out = static_cast<int32_t*>(token_out->untyped_data());
-  p.ce_pieces = ce;
-  return launch_dispatch_counted(m, *a, p, l, stream, launch_ep_dispatch_cached,
+  return launch_dispatch_counted(m, *d.a, p, d.l, stream, launch_ep_dispatch_cached,
                                  "launching the cached dispatch kernel");
 }
 
