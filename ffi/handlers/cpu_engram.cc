@@ -5,6 +5,7 @@
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/engram_bindings.h"
 #include "handlers/engram_validate.h"
 #include "jax_engram/engram_layout.h"
 #include "kernels/cpu/engram.h"
@@ -113,52 +114,12 @@ ffi::Error EngramWaitCpu(int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCpu, EngramWriteCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Arg<ffi::AnyBuffer>()  // storage [num_entries, hidden]
-                                  .Arg<ffi::AnyBuffer>()  // sf [total, P] or empty
-                                  .Ret<ffi::AnyBuffer>()  // token
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_entries")
-                                  .Attr<int64_t>("row_bytes")
-                                  .Attr<int64_t>("sf_alloc_id")
-                                  .Attr<int64_t>("sf_offset")
-                                  .Attr<int64_t>("sf_bytes"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCpu, EngramFetchCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // indices int32 [T, E]
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Ret<ffi::AnyBuffer>()  // data [T, E*hidden]
-                                  .Ret<ffi::AnyBuffer>()  // sf (layout) or empty
-                                  .Ret<ffi::AnyBuffer>()  // status int32: 0, or checked: first bad position
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_entries")
-                                  .Attr<int64_t>("row_bytes")
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("sf_alloc_id")
-                                  .Attr<int64_t>("sf_offset")
-                                  .Attr<int64_t>("num_sf_packs")
-                                  .Attr<int64_t>("sf_layout")
-                                  .Attr<int64_t>("overlap"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCpu, EngramWaitCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // data (pending)
-                                  .Arg<ffi::AnyBuffer>()  // sf (pending)
-                                  .Arg<ffi::AnyBuffer>()  // status (pending)
-                                  .Arg<ffi::AnyBuffer>()  // indices (kept alive until here)
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
-                                  .Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("overlap"));
+// Context arguments of every handler here: the device ordinal.
+inline auto cpu_context() { return ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCpu, EngramWriteCpu, bind_engram_write(cpu_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCpu, EngramFetchCpu, bind_engram_fetch(cpu_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCpu, EngramWaitCpu, bind_engram_wait(cpu_context()));
 
 static HandlerRegistrar reg_write("jax_engram_engram_write", reinterpret_cast<void*>(JeEngramWriteCpu));
 static HandlerRegistrar reg_fetch("jax_engram_engram_fetch", reinterpret_cast<void*>(JeEngramFetchCpu));

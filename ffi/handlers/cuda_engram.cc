@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "handlers/common.h"
+#include "handlers/engram_bindings.h"
 #include "handlers/engram_validate.h"
 #include "jax_engram/engram_layout.h"
 #include "kernels/cuda/base.h"
@@ -210,55 +211,14 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCuda, EngramWriteCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Arg<ffi::AnyBuffer>()  // storage [num_entries, hidden]
-                                  .Arg<ffi::AnyBuffer>()  // sf [total, P] or empty
-                                  .Ret<ffi::AnyBuffer>()  // token
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_entries")
-                                  .Attr<int64_t>("row_bytes")
-                                  .Attr<int64_t>("sf_alloc_id")
-                                  .Attr<int64_t>("sf_offset")
-                                  .Attr<int64_t>("sf_bytes"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCuda, EngramFetchCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // indices int32 [T, E]
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Ret<ffi::AnyBuffer>()  // data [T, E*hidden]
-                                  .Ret<ffi::AnyBuffer>()  // sf (layout) or empty
-                                  .Ret<ffi::AnyBuffer>()  // status int32
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("alloc_id")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("num_entries")
-                                  .Attr<int64_t>("row_bytes")
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("sf_alloc_id")
-                                  .Attr<int64_t>("sf_offset")
-                                  .Attr<int64_t>("num_sf_packs")
-                                  .Attr<int64_t>("sf_layout")
-                                  .Attr<int64_t>("overlap"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCuda, EngramWaitCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // data (pending)
-                                  .Arg<ffi::AnyBuffer>()  // sf (pending)
-                                  .Arg<ffi::AnyBuffer>()  // status (pending)
-                                  .Arg<ffi::AnyBuffer>()  // indices (kept alive until here)
-                                  .Arg<ffi::AnyBuffer>()  // token (any array; not read)
-                                  .Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
-                                  .Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("overlap"));
+// Context arguments of every handler here: XLA's stream and the device ordinal.
+inline auto cuda_context() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCuda, EngramWriteCuda, bind_engram_write(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCuda, EngramFetchCuda, bind_engram_fetch(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWaitCuda, EngramWaitCuda, bind_engram_wait(cuda_context()));
 
 static HandlerRegistrar reg_write("jax_engram_engram_write", reinterpret_cast<void*>(JeEngramWriteCuda));
 static HandlerRegistrar reg_fetch("jax_engram_engram_fetch", reinterpret_cast<void*>(JeEngramFetchCuda));
