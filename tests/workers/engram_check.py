@@ -458,6 +458,54 @@ def _():
     _raises(lambda: t.lookup_global(np.zeros((5,), np.int32)), ValueError, "[T, E]")
 
 
+@case("handler_validation", ("full", "core", "quick"))
+def _():
+    # Handler-level checks (handlers/engram_validate.h, shared by both backends): the Python layer always passes
+    # consistent sizes, so one is made wrong on its way to ffi_call; the handler must refuse it and say why. Own
+    # context: a refused write or fetch must not disturb the shared one.
+    from jax_engram import _call
+    real = _call.call
+
+    def run(target, change, fn, *needles):
+        def patched(ctx_, tgt, results, *ops, **attrs):
+            if tgt == target:
+                results, attrs = change(results, attrs)
+            return real(ctx_, tgt, results, *ops, **attrs)
+        _call.call = patched
+        try:
+            _raises(fn, Exception, *needles)
+        finally:
+            _call.call = real
+
+    c2 = je.init(mesh, AX, timeout_s=120.0)
+    try:
+        N, H = 16, 64
+        x, _ = make_table_data(7, N, H, BF16, 0)
+        ids = np.zeros((R * 3, 2), np.int32)
+        # a table per check: each table keeps its jitted write / lookup, traced with the changed call
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_write", lambda r, a: (r, {**a, "num_entries": a["num_entries"] + 1}),
+            lambda: jax.block_until_ready(t.write_global(x)), "storage has", "the table shard needs")
+
+        def wider_data(r, a):
+            d = r[0]
+            return (d.update(shape=(d.shape[0], d.shape[1] + 1)),) + tuple(r[1:]), a
+
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_fetch", wider_data, lambda: jax.block_until_ready(t.lookup_global(sharded(ids))),
+            "data result has", "T*E*row_bytes")
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "mode": 7}),
+            lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "bad mode 7")
+        t = new_table(N, H, BF16, "device", c=c2)  # the context still works after the refused calls
+        t.write_global(x)
+        got, _ = t.lookup_global(sharded(ids))
+        want, _ = reference_lookup(x, None, ids, t.num_entries, "fill", "row")
+        assert_global_equal(got, want, "lookup after the refused calls")
+    finally:
+        c2.close()
+
+
 @case("checked_out_of_range", ("full", "core", "quick"))
 def _():
     # Own context: on GPU the error is recorded on the device and poisons the context it happens in.

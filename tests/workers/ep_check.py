@@ -494,6 +494,50 @@ def suite_errors(_ctx_unused):
     finally:
         ctx.close()
 
+    # Handler-level validation (handlers/validate.h, shared by both backends): the Python layer always asks for the
+    # right result shapes, so one is made wrong on its way to ffi_call; the handler must refuse it and name it.
+    from jax_engram import _call
+
+    def handler_rejects(target, index, needles, expand=False):
+        real = _call.call
+
+        def patched(ctx_, tgt, results, *ops, **attrs):
+            if tgt == target:
+                results = list(results)
+                r = results[index]
+                results[index] = r.update(shape=(r.shape[0] + 1,) + tuple(r.shape[1:]))
+            return real(ctx_, tgt, results, *ops, **attrs)
+
+        ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+        kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand)
+
+        def body(x, i):
+            d = ep.dispatch(x[0], i[0], **kw)
+            c = ep.dispatch(x[0], None, handle=d.handle, **kw)
+            if target == "jax_engram_ep_dispatch_cached":  # its bad result would fail combine's own trace-time check
+                return c.recv_x[None]
+            y, _ = ep.combine(c.recv_x, d.handle)
+            return y[None]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+        x = np.ones((R, M, H), jnp.bfloat16)
+        idx = np.tile(np.array([[0, 1]], np.int32), (R, M, 1))
+        _call.call = patched
+        try:
+            return expect_error(lambda: jax.block_until_ready(f(shard(x), shard(idx))), *needles)
+        finally:
+            _call.call = real
+            ctx.close()
+
+    check("handler_dispatch_recv_x_shape",
+          lambda: handler_rejects("jax_engram_ep_dispatch", 0, ["recv_x must have shape"]))
+    check("handler_dispatch_dst_row_shape",
+          lambda: handler_rejects("jax_engram_ep_dispatch", 8, ["dst_row must have shape", f"[{M},{R}]"]))
+    check("handler_cached_recv_x_shape",
+          lambda: handler_rejects("jax_engram_ep_dispatch_cached", 0, ["recv_x must have shape"], expand=True))
+    check("handler_combine_combined_x_shape",
+          lambda: handler_rejects("jax_engram_ep_combine", 0, ["combined_x must have shape", f"[{M},{H}]"]))
+
 
 def load_example():
     spec = importlib.util.spec_from_file_location("moe_layer", REPO / "examples" / "moe_layer.py")
