@@ -279,9 +279,11 @@ class Context:
     def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
                       expand: bool = False) -> str:
         """How ``dispatch`` of this config moves x's rows on this context: ``"copy engine (P pieces)"`` (CUDA:
-        the whole x is copied into every peer's inbox by the copy engine; chosen for large non-expand rows when a
-        peer receives nearly all tokens, or forced by ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or
-        ``"pull (CPU)"``. The same on every rank. For benchmarks and diagnosis; it does not change the results."""
+        the whole x is copied into every peer's inbox by the copy engine and every receiver lays out the peers' tokens
+        itself; chosen for large calls when a peer receives nearly all tokens, or forced by
+        ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The same on every rank. For
+        benchmarks and diagnosis; it does not change the results. ``expand`` is accepted for callers that pass the
+        layout; the choice does not depend on it."""
         self._check_open()
         if self.platform != "gpu" or not self._created:
             return "pull (CPU)"

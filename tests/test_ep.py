@@ -91,16 +91,18 @@ _CE_ENV = {"JAX_ENGRAM_EP_DISPATCH_CE": "1", "JAX_ENGRAM_EP_CE_PIECES": "3"}
 
 @pytest.mark.gpu(2)
 def test_two_gpus_one_process_copy_engine_rows():
-    res = _run_single(["--platform", "gpu", "--suite", "cases,cache,gradne,grad"], env=_CE_ENV)
+    # errors too: with copy-engine rows every receiver finds a peer's bad routing itself (no header carries it)
+    res = _run_single(["--platform", "gpu", "--suite", "cases,cache,gradne,grad,errors"], env=_CE_ENV)
     assert res[0]["dispatch_path"] == "copy engine (3 pieces)", res[0]["dispatch_path"]
-    _assert_all_pass(res, min_checks=14)  # cases 10, cache 1, gradne 1, grad 2
+    _assert_all_pass(res, min_checks=33)  # cases 10, cache 1, gradne 1, grad 2, errors 19
 
 
 @pytest.mark.gpu(2)
 def test_two_processes_one_gpu_each_copy_engine_rows(launch):
-    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad"), platform="cuda", timeout=900, env=_CE_ENV)
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,errors"), platform="cuda", timeout=900,
+                 env=_CE_ENV)
     assert all(r["dispatch_path"] == "copy engine (3 pieces)" for r in res), [r["dispatch_path"] for r in res]
-    _assert_all_pass(res, min_checks=14)  # cases 10, cache 1, gradne 1, grad 2
+    _assert_all_pass(res, min_checks=33)  # cases 10, cache 1, gradne 1, grad 2, errors 19
 
 
 @pytest.mark.parametrize("push", [False, True])

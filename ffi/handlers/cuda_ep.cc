@@ -10,7 +10,8 @@
 //                               expand combine 14; swept on 2xH200); the other warps of the 16 pull.
 //   JAX_ENGRAM_EP_DISPATCH_CE   copy-engine rows for dispatch (kernels/cuda/ep.h): unset or "auto" = the policy of
 //                               ce_pieces_for below, 0 = never (SM stores), 1 = whenever the hardware allows it
-//   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 8, 1..32)
+//   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 4, 1..32)
+//   JAX_ENGRAM_EP_CE_STREAMS    copy streams the pieces go round (default 1, at most 4)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 #include "kernels/cuda/ep.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/cuda_member.h"
+#include "runtime/env.h"
 
 namespace jax_engram {
 namespace {
@@ -82,35 +84,37 @@ ffi::Error make_window(Member& m, Allocation& st, int64_t offset, int32_t op, Ep
   return ffi::Error::Success();
 }
 
-int env_int(const char* name, int fallback) {
-  const char* e = std::getenv(name);
-  if (!e || !*e) return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(e, &end, 10);
-  return end && *end == 0 ? static_cast<int>(v) : fallback;
-}
-
 // Copy-engine rows (kernels/cuda/ep.h): pieces for a dispatch of this config, 0 = SM stores. Identical on every rank:
 // a function of the config (not of N, which may differ per rank), the environment and the hardware.
-// Auto policy, from 2xH200 at 4096 tokens, hidden 7168, top-8 of 256 (benchmarks/RESULTS.md): the copy engine wins
-// only for non-expand rows of >= 8 KiB (bf16 262 vs 275 us; fp8 281 vs ~200 us: the routing rows reach the receivers
-// ~50 us after the layout under the copy traffic, which small rows cannot hide; expand 504 vs 496 us: bound by the
-// receivers' expert copies). And the whole x (N rows) goes to every peer, so only when a peer is expected to receive
-// nearly all of a rank's tokens: share = 1 - P(none of a token's K distinct uniform experts is on that peer) >= 95 %
-// (2 ranks: top-6 98.5 %, top-8 99.6 %; 4 ranks top-8: 90 %, not taken), and M x row >= 4 MiB.
-int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes, bool expand) {
-  if (R < 2 || !st.stream_mem_ops || !st.ep_copy_streams[1] || x_bytes % 16 != 0 || K < 1) return 0;
+// Auto policy, from 2xH200 at 4096 tokens, hidden 7168, top-8 of 256 (benchmarks/RESULTS.md, session 7): since the
+// receivers lay out the peers' tokens themselves the copy engine wins for every layout and dtype there (bf16
+// non-expand 224 vs 272 us, FP8 175 vs 209, bf16 expand 441 vs 497, FP8 expand 294 vs 329). The whole x (N rows)
+// goes to every peer, so only when a peer is expected to receive nearly all of a rank's tokens: share = 1 - P(none of
+// a token's K distinct uniform experts is on that peer) >= 95 % (2 ranks: top-6 98.5 %, top-8 99.6 %; 4 ranks top-8:
+// 90 %, not taken), and M x row >= 4 MiB (small calls are latency-bound: every copy and flag costs a few us).
+int ce_pieces_for(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int64_t E, int64_t x_bytes) {
+  if (R < 2 || !st.stream_mem_ops || !st.ep_copy_streams[0] || x_bytes % 16 != 0 || K < 1) return 0;
+  // the receivers lay out each peer's tokens: per-CTA counts in scratch, per-warp counters in shared memory
+  if ((R - 1) * (R + E / R) > kEpCePeerCounts || ep_dispatch_smem_bytes(R, E, true, nullptr, nullptr) < 0) return 0;
   const char* mode = std::getenv("JAX_ENGRAM_EP_DISPATCH_CE");
   const bool forced = mode && std::string(mode) == "1";
   if (mode && std::string(mode) == "0") return 0;
   if (!forced) {
-    if (expand || x_bytes < 8192 || M * x_bytes < (int64_t{4} << 20)) return 0;
+    if (M * x_bytes < (int64_t{4} << 20)) return 0;
     const int64_t E_loc = E / R;
     double miss = 1.0;
     for (int64_t i = 0; i < K; ++i) miss *= E - E_loc - i > 0 ? static_cast<double>(E - E_loc - i) / (E - i) : 0.0;
     if (1.0 - miss < 0.95) return 0;
   }
-  return std::max(1, std::min(env_int("JAX_ENGRAM_EP_CE_PIECES", 8), kEpCeMaxPieces));
+  return env_int("JAX_ENGRAM_EP_CE_PIECES", 4, 1, kEpCeMaxPieces);
+}
+
+// Copy streams the pieces go round (JAX_ENGRAM_EP_CE_STREAMS, at most kEpCopyStreams). Default ONE: on 2xH200 at
+// 4096 tokens (bf16, hidden 7168) one stream took 231 us per dispatch with 4 pieces and 235 with 8, two streams
+// 255 (8 pieces) and three or four 293-327: copies on concurrent streams share the link and each lands later,
+// while the receivers wait for whole pieces (results/ep_diagnosis_2xh200.log section 19).
+int ce_streams() {
+  return env_int("JAX_ENGRAM_EP_CE_STREAMS", 1, 1, CudaMemberState::kEpCopyStreams);
 }
 
 // Enqueues the copy-engine rows of one dispatch (p.ce_pieces > 0, p.ce_seq its sequence number) on the member's copy
@@ -128,11 +132,39 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
   const int f = ep_first_token_cta(p.M, G), per = ep_tokens_per_cta(p.M, G), nct = G - f;
   const int64_t row = p.x_bytes;  // == L.x_row (ce_pieces_for: x_bytes % 16 == 0)
   const uint64_t hoff = p.w.st_offset + p.L.half(p.ce_seq);
-  constexpr int NS = CudaMemberState::kEpCopyStreams;
+  const int NS = ce_streams();
   cudaError_t e = cudaEventRecord(st.ep_fork, stream);
   for (int i = 0; i < NS && e == cudaSuccess; ++i) e = cudaStreamWaitEvent(st.ep_copy_streams[i], st.ep_fork, 0);
   if (e != cudaSuccess) return cuda_failure(op, "forking the copy streams", e);
   const CudaDriver* drv = cuda_driver(nullptr);
+  const auto write_value = [&](cudaStream_t cs, uint8_t* word, uint64_t v, const char* what) -> ffi::Error {
+    const CUresult r = drv->cuStreamWriteValue64(reinterpret_cast<CUstream>(cs), reinterpret_cast<CUdeviceptr>(word), v,
+                                                 CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r != CUDA_SUCCESS)
+      return op_error(op, std::string("cuStreamWriteValue64 (") + what + ") failed: " + cu_error_string(r),
+                      ffi::ErrorCode::kInternal);
+    return ffi::Error::Success();
+  };
+  // Full dispatch: the routing rows first (N, topk, weights, scales; then flag = seq), ahead of piece 0: the
+  // receivers lay out this rank's tokens themselves (kernels/cuda/ep.h "copy-engine rows").
+  if (p.topk) {
+    cudaStream_t cs = st.ep_copy_streams[0];
+    const EpInbox I = p.L.inbox();
+    for (int d = 0; d < R; ++d) {
+      if (d == me) continue;
+      uint8_t* slot = sa.peers[d] + hoff + p.L.inbox_at(ep_inbox_slot(me, d, R));
+      JE_CHECK(write_value(cs, slot + EpInbox::kN, static_cast<uint64_t>(p.N), "copy-engine N"));
+      const int64_t nk = static_cast<int64_t>(p.N) * p.K * 4;
+      if (nk > 0) e = cudaMemcpyAsync(slot + I.topk_idx(), p.topk, nk, cudaMemcpyDeviceToDevice, cs);
+      if (e == cudaSuccess && nk > 0 && p.weights)
+        e = cudaMemcpyAsync(slot + I.weights(), p.weights, nk, cudaMemcpyDeviceToDevice, cs);
+      if (e == cudaSuccess && p.N > 0 && p.sf_bytes)
+        e = cudaMemcpy2DAsync(slot + I.scales(), p.L.sf_row, p.sf, p.sf_bytes, p.sf_bytes, p.N,
+                              cudaMemcpyDeviceToDevice, cs);
+      if (e != cudaSuccess) return cuda_failure(op, "enqueueing the copy-engine routing rows", e);
+      JE_CHECK(write_value(cs, slot + EpInbox::kFlag, p.ce_seq, "copy-engine routing flag"));
+    }
+  }
   for (int j = 0; j < P; ++j) {
     cudaStream_t cs = st.ep_copy_streams[j % NS];
     const int b0 = ep_ce_piece_begin(per, P, j), b1 = ep_ce_piece_begin(per, P, j + 1);
@@ -151,11 +183,7 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
           e = cudaMemcpyAsync(dst + lo * row, p.x + lo * row, (hi - lo) * row, cudaMemcpyDeviceToDevice, cs);
       }
       if (e != cudaSuccess) return cuda_failure(op, "enqueueing the copy-engine rows", e);
-      const CUresult r = drv->cuStreamWriteValue64(reinterpret_cast<CUstream>(cs),
-                                                   reinterpret_cast<CUdeviceptr>(slot + EpInbox::kCe + 8ull * j),
-                                                   p.ce_seq, CU_STREAM_WRITE_VALUE_DEFAULT);
-      if (r != CUDA_SUCCESS) return op_error(op, "cuStreamWriteValue64 (copy-engine piece flag) failed: " + cu_error_string(r),
-                                             ffi::ErrorCode::kInternal);
+      JE_CHECK(write_value(cs, slot + EpInbox::kCe + 8ull * j, p.ce_seq, "copy-engine piece flag"));
     }
   }
   for (int i = 0; i < NS && e == cudaSuccess; ++i) e = cudaEventRecord(st.ep_joins[i], st.ep_copy_streams[i]);
@@ -228,13 +256,13 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   if (tr) cudaEventRecord(tr->ev[ti][0], stream);
   if (p.ce_pieces > 0)
     if (auto err = enqueue_ce_rows(st, sa, p, l, stream); !err.success()) return err;
-  if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_streams[(p.ce_pieces - 1) % CudaMemberState::kEpCopyStreams]);
+  if (tr) cudaEventRecord(tr->ev[ti][1], st.ep_copy_streams[(p.ce_pieces - 1) % ce_streams()]);
   if (tr) cudaEventRecord(tr->ev[ti][4], stream);
   cudaError_t e = launch(p, l, stream);
   if (e != cudaSuccess) return cuda_failure(op, what, e);
   ++st.ep_dispatch_calls;
   if (tr) cudaEventRecord(tr->ev[ti][2], stream);
-  for (int i = 0; i < CudaMemberState::kEpCopyStreams && p.ce_pieces > 0; ++i)
+  for (int i = 0; i < ce_streams() && p.ce_pieces > 0; ++i)
     if ((e = cudaStreamWaitEvent(stream, st.ep_joins[i], 0)) != cudaSuccess)
       return cuda_failure(op, "joining the copy streams", e);
   if (tr) {
@@ -249,7 +277,10 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
 
 // What the full and the cached dispatch share once their buffers are validated: the staging region, the copy-engine
 // choice and launch shape, the window, the config, and the operands / results both have. The caller fills the
-// rest. `g` (the caller's, alive until the launch) has selected the device.
+// rest. `g` (the caller's, alive until the launch) has selected the device. `cached`: the cached dispatch.
+// Stage warps: with copy-engine rows a full dispatch's stage warps push nothing (the receivers lay out the peers'
+// tokens), so one of 16 (it writes dst_row and publishes ready) and the other 15 copy rows; the cached dispatch's
+// still push the weights / scales rows (4).
 struct DispatchLaunch {
   EpDispatchParams p;
   EpLaunch l;
@@ -260,13 +291,13 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
                             const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
                             const ffi::AnyBuffer& topk_weights, const ffi::AnyBuffer& token,
                             const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_x_scales,
-                            const ffi::AnyBuffer& recv_topk_weights, const ffi::AnyBuffer& token_out,
+                            const ffi::AnyBuffer& recv_topk_weights, const ffi::AnyBuffer& token_out, bool cached,
                             DispatchLaunch* d) {
   const Common& c = sh.c;
   const auto L = EpDispatchLayout::make(c.R, c.M, sh.K, c.E, sh.row_bytes, sh.P, /*push=*/true);
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &d->a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, sh.K, c.E, sh.row_bytes, expand != 0) : 0;
-  d->l = launch_shape(m, num_sms, ce ? 4 : 6);
+  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, sh.K, c.E, sh.row_bytes) : 0;
+  d->l = launch_shape(m, num_sms, ce ? (cached ? 4 : 1) : 6);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
   EpDispatchParams& p = d->p;
   JE_CHECK(make_window(m, *d->a, offset, op, &p.w));
@@ -317,8 +348,8 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
                             x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                            &d));
-  if (ep_dispatch_smem_bytes(sh.c.R, sh.c.E, d.l.stage_warps, nullptr, nullptr) < 0)
+                            false, &d));
+  if (ep_dispatch_smem_bytes(sh.c.R, sh.c.E, d.p.ce_pieces > 0, nullptr, nullptr) < 0)
     return op_error(op, "ranks + experts = " + std::to_string(sh.c.R + sh.c.E) +
                             " is too large for the layout kernel");
   EpDispatchParams& p = d.p;
@@ -355,7 +386,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
                             x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                            &d));
+                            true, &d));
   EpDispatchParams& p = d.p;
   p.h_meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
   p.h_psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
@@ -425,10 +456,10 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
 }  // namespace
 
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
-                            bool expand) {
+                            bool /*expand: the policy no longer depends on the layout*/) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok() || !s->backend_state) return -1;
-  return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes, expand);
+  return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes);
 }
 
 // Context arguments of every handler here: XLA's stream and the device ordinal.

@@ -19,12 +19,11 @@ struct CudaMemberState {
   int device = -1;                       // CUDA device ordinal (== Member::ordinal)
   cudaStream_t side_stream = nullptr;    // non-blocking; also used for allocation zero-fill
   cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
-  // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy streams (pieces alternate between them, so that one
-  // stream's copy runs while the other waits for its piece to drain and writes the flag), the fork (XLA's stream ->
-  // copy streams) and join events, and the host's count of dispatch-type calls on this member (the device's
+  // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy streams (the pieces go round the first
+  // JAX_ENGRAM_EP_CE_STREAMS of them, default one: ce_streams), the fork (XLA's stream -> copy streams) and join events, and the host's count of dispatch-type calls on this member (the device's
   // sequence number of the next one is ep_dispatch_calls + 1 as long as every such call launches its kernel: the
   // kernel checks).
-  static constexpr int kEpCopyStreams = 2;
+  static constexpr int kEpCopyStreams = 4;
   cudaStream_t ep_copy_streams[kEpCopyStreams] = {};
   cudaEvent_t ep_fork = nullptr;
   cudaEvent_t ep_joins[kEpCopyStreams] = {};

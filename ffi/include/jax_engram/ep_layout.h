@@ -135,9 +135,12 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 //   pos         int32[M]          pos_rank_s[t, d] (or -1), for every t < N_s
 //   topk_idx, weights, pos_exp    [M, K] rows of the tokens sent to d
 //   x, scales   [M] rows of the tokens sent to d (row t = token t)
+// Copy-engine dispatch: the source's copy stream writes n, topk_idx / weights / scales rows t < N_s, then flag;
+// the receiver computes pos and pos_exp itself (no header: counts / exp_counts stay unused) and x comes in pieces.
 inline constexpr int kEpInboxCtas = 160;  // the most CTAs an EP kernel may use
 inline constexpr int kEpInboxWarps = 16;  // the most stage warps per CTA
 inline constexpr int kEpCeMaxPieces = 32; // the most copy-engine pieces of a dispatch (ep.h)
+inline constexpr int kEpCePeerCounts = 1536;  // copy-engine dispatch: the most (R-1) * (R + E/R) (CUDA scratch)
 JE_HD uint64_t ep_progress_index(int64_t cta, int64_t warp) { return (uint64_t)(cta * kEpInboxWarps + warp); }
 JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R) % R - 1; }
 struct EpInbox {

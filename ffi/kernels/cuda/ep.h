@@ -81,6 +81,10 @@ struct EpDispatchParams {
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
+  // copy-engine rows (full dispatch): the peers' per-warp layout counters [R-1][layout_warps][R + E/R] and their topk
+  // rows of the CTA's range [R-1][range][K] (-1: read from the inbox)
+  int32_t smem_peer_cnt = 0;
+  int32_t smem_peer_topk = -1;
   // Copy-engine rows (see "copy-engine rows" below): 0 = the stage warps store x rows to the peers; P > 0 = the
   // handler's copy streams write them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
   // sequence number ce_seq (the host's count of dispatch-type calls: the copies chose the half by it).
@@ -175,14 +179,17 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 // ~345 (benchmarks/probe_nvlink.cu, results/probe_tma_2xh200.log), but it cannot follow the layout: its sizes are
 // fixed when the handler enqueues it. The inbox is indexed by token, so it does not need to: when (almost) every
 // token goes to every peer (2 ranks at top-8, say), the handler copies x's N rows whole into this rank's inbox slot
-// on every peer, on two copy streams beside the kernel, and the kernel's stage warps push only the routing rows
-// (published once per warp: per-chunk releases queued behind the copy traffic).
+// on every peer, on a copy stream beside the kernel. Ahead of them the same stream copies the routing rows (N, topk,
+// weights, scales) and sets the slot's flag, and every receiver lays out the peer's tokens itself: each CTA runs
+// the counting sort over its own range AND the same range of every peer's tokens, one grid barrier for both. So
+// nothing but the copies crosses the link (SM-pushed routing rows queued ~50 us behind the copy traffic).
 // Unused rows cross too; the policy (cuda_ep.cc) accepts that only when the expected share is high.
 // The rows go in P pieces so that receivers copy while the rest is still in flight: piece j is the range offsets
 // [ep_ce_piece_begin(per, P, j), ep_ce_piece_begin(per, P, j + 1)) of EVERY CTA's token range (per =
 // ep_tokens_per_cta), one strided copy per piece, so all CTAs receive in step and the tail after the last piece is
-// 1/P of each CTA's rows; then that piece's copy stream (pieces alternate between two, so that one copies while the
-// other drains and flags) writes ce[j] = seq into the peer's slot.
+// 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot. Each piece + flag costs the
+// copy engine ~6 us (2xH200: copies end 174 us after the fork with 1 piece, 222 with 8), the tail shrinks with
+// more pieces: 4 measured best (results/ep_diagnosis_2xh200.log section 19).
 JE_HD int ep_ce_piece_begin(int per, int P, int j) { return static_cast<int>(static_cast<int64_t>(per) * j / P); }
 // The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
 JE_HD int ep_ce_piece_of(int off, int per, int P) {
@@ -198,7 +205,8 @@ inline int32_t ep_ce_chunks(int64_t per_cta, int64_t stage_warps) {
 }
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
-int64_t ep_dispatch_smem_bytes(int R, int E, int stage_warps, int* layout_warps, int* tables_offset);
+// `ce`: copy-engine rows (the peers' layout counters too); *peer_offset: where those start.
+int64_t ep_dispatch_smem_bytes(int R, int E, bool ce, int* layout_warps, int* tables_offset, int* peer_offset = nullptr);
 
 cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream);
 cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream);

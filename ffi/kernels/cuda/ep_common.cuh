@@ -35,7 +35,9 @@ struct EpScratch {
   static constexpr uint64_t kTraceSpan = kBase + 1024;      // u64[8 + 2 * kTraceRing] (trace_span_end)
   static constexpr uint64_t kCtaBad = kBase + 4096;                                     // u64[kEpMaxCtas]
   static constexpr uint64_t kCtaCounts = align_up(kCtaBad + 8 * kEpMaxCtas, 4096);      // i32[G][R+E]
-  static constexpr uint64_t kEnd = kCtaCounts + 4ull * kEpMaxCtas * (kMaxRanks + kEpMaxExperts);
+  // copy-engine rows: per-CTA counts of each peer's range, i32[G][R-1][R + E/R] (kEpCePeerCounts per CTA at most)
+  static constexpr uint64_t kCtaPeerCounts = align_up(kCtaCounts + 4ull * kEpMaxCtas * (kMaxRanks + kEpMaxExperts), 4096);
+  static constexpr uint64_t kEnd = kCtaPeerCounts + 4ull * kEpMaxCtas * kEpCePeerCounts;
 };
 static_assert(EpScratch::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBytes, "EP CUDA scratch overflow");
 

@@ -43,6 +43,7 @@ struct Tables {
   int* start_e;    // [E_loc] start[e]
   int* padpre;     // [E_loc + 1] prefix of padding rows
   int* off;        // [R * E_loc] offset of source s inside segment e
+  int* src_counts; // [R * R]  copy-engine rows: tokens source s sends to rank d (from every source's topk rows)
 };
 
 JE_DEVICE Tables tables_at(uint8_t* smem, int offset, int R, int E_loc) {
@@ -54,17 +55,17 @@ JE_DEVICE Tables tables_at(uint8_t* smem, int offset, int R, int E_loc) {
   t.start_e = t.cnt_e + E_loc;
   t.padpre = t.start_e + E_loc;
   t.off = t.padpre + E_loc + 1;
+  t.src_counts = t.off + R * E_loc;
   return t;
 }
 
-int tables_bytes(int R, int E_loc) { return (2 * R + 1 + 3 * E_loc + 1 + R * E_loc) * 4; }
+int tables_bytes(int R, int E_loc) { return (2 * R + 1 + 3 * E_loc + 1 + R * E_loc + R * R) * 4; }
 
 // The own half's sender-side sections (layout outputs of this rank).
 struct Half {
   int32_t* counts;
   int32_t* exp_counts;
   int32_t* topk;
-  float* w;
   int32_t* pos_rank;
   int32_t* pos_exp;
 };
@@ -74,7 +75,6 @@ JE_DEVICE Half half_at(uint8_t* h, const EpDispatchLayout& L) {
   r.counts = reinterpret_cast<int32_t*>(h + L.counts());
   r.exp_counts = reinterpret_cast<int32_t*>(h + L.exp_counts());
   r.topk = reinterpret_cast<int32_t*>(h + L.topk_idx());
-  r.w = reinterpret_cast<float*>(h + L.weights());
   r.pos_rank = reinterpret_cast<int32_t*>(h + L.pos_rank());
   r.pos_exp = reinterpret_cast<int32_t*>(h + L.pos_exp());
   return r;
@@ -166,23 +166,6 @@ JE_DEVICE const uint64_t* chunk_word(const Slot& sl, int c, int li, int SW) {
   return sl.ctrl(EpInbox::kProgress + 8ull * ep_progress_index(c, li % SW));
 }
 JE_DEVICE uint64_t chunk_value(uint64_t seq, int li, int SW) { return progress_value(seq, li / SW + 1); }
-
-// Copy-engine rows: waits (whole warp) until source s pushed the routing rows of every token of CTA c's range
-// [t0, min(t1, Ns)): each stage warp's progress word at its last non-empty chunk (it publishes after each non-empty
-// chunk; the value counts its chunks, empty ones included).
-JE_DEVICE bool wait_range_routing(const EpDispatchParams& p, const Slot& sl, int s, uint64_t seq, int c, int t0, int t1,
-                                  int len, int Ns, int NCH, int SW, int lane) {
-  const int te = min(t1, Ns);
-  if (te <= t0) return true;
-  const int last = ep_chunk_of(te - 1, t0, len, NCH);
-  for (int w = 0; w < SW; ++w) {
-    int li = last - ((last - w) % SW + SW) % SW;  // the largest li <= last with li % SW == w
-    while (li >= 0 && ep_chunk_begin(t0, len, NCH, li) >= min(ep_chunk_begin(t0, len, NCH, li + 1), te)) li -= SW;
-    if (li >= 0 && !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
-      return false;
-  }
-  return true;
-}
 
 // Copies `nbytes` from src to the destinations of the set bits of `mask`: bit b's is lane b's `lane_dst`.
 template <typename V, int U>
@@ -410,6 +393,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   int* cnt = reinterpret_cast<int*>(smem);
   const int LW = p.layout_warps;
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
+  // Copy-engine rows: this CTA also lays out the same range of every peer's tokens (their topk rows come by the
+  // copy engine, ep.h), counting per dest rank and per LOCAL expert: per warp [R-1][LW][RL], peer q = me + 1 + q1.
+  const bool rl = p.ce_pieces > 0;
+  const int RL = R + E_loc;
+  int* pcnt = rl ? reinterpret_cast<int*>(smem + p.smem_peer_cnt) : nullptr;
+  for (int q = tid; rl && q < (R - 1) * LW * RL; q += blockDim.x) pcnt[q] = 0;
   int t0, t1;
   ep_cta_tokens(M, G, c, &t0, &t1);
   // The range's topk rows, loaded once with every load in flight: both layout passes walk their tokens one after
@@ -439,6 +428,54 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       if (master) atomicAdd(&wc[d], 1);
     }
   }
+  // Peers' ranges (copy-engine rows): wait for their routing rows (own memory; they travel beside x's first piece
+  // and land while the own pass 1 runs), then pass 1 over them. Bad keys carry the peer's distance q1 + 1 in bits
+  // 40+ so that the grid's first bad is the own one when there is one, else the nearest peer's.
+  bool rfail = false;
+  int* ptk = rl && p.smem_peer_topk >= 0 ? reinterpret_cast<int*>(smem + p.smem_peer_topk) : nullptr;
+  const int rng = ep_tokens_per_cta(M, G);
+  const auto peer_topk_at = [&](int q1, const int32_t* stk, int t, int k) {
+    return ptk ? ptk[(q1 * rng + t - t0) * K + k] : __ldcg(stk + static_cast<int64_t>(t) * K + k);
+  };
+  const auto peer_n = [&](const Slot& sl) { return min(static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN))), M); };
+  if (rl) {
+    for (int q1 = tid; q1 < R - 1; q1 += blockDim.x) {
+      const int s = (me + 1 + q1) % R;
+      if (!wait_local(peer_slot(p, hoff, s, me).ctrl(EpInbox::kFlag), seq, p.w, kOpEpDispatch, s))
+        atomicOr(&sh_abort, 1);
+    }
+    __syncthreads();
+    rfail = sh_abort != 0;
+    if (!rfail && ptk) {
+      for (int q1 = 0; q1 < R - 1; ++q1) {
+        const Slot sl = peer_slot(p, hoff, (me + 1 + q1) % R, me);
+        const int n = (min(t1, peer_n(sl)) - t0) * K;
+        for (int q = tid; q < n; q += blockDim.x) ptk[q1 * rng * K + q] = __ldcg(sl.topk + static_cast<int64_t>(t0) * K + q);
+      }
+      __syncthreads();
+    }
+    if (!rfail && warp < LW) {
+      for (int q1 = 0; q1 < R - 1; ++q1) {
+        const Slot sl = peer_slot(p, hoff, (me + 1 + q1) % R, me);
+        const int te = min(wb, peer_n(sl));
+        int* wc = pcnt + (q1 * LW + warp) * RL;
+        for (int t = wa; t < te; ++t) {
+          const int id = lane < K ? peer_topk_at(q1, sl.topk, t, lane) : -1;
+          const bool in_range = id >= -1 && id < E;
+          const bool valid = id >= 0 && id < E;
+          const int d = valid ? id / E_loc : -1;
+          bool dup, master;
+          token_lanes(id, d, valid, K, lane, &dup, &master);
+          const unsigned badm = __ballot_sync(kFull, !in_range || dup);
+          if (badm && lane == 0)
+            atomicMin(&sh_bad, (static_cast<unsigned long long>(q1 + 1) << 40) | (static_cast<unsigned long long>(t) << 6) |
+                                   (__ffs(badm) - 1));
+          if (valid && d == me) atomicAdd(&wc[R + id - me * E_loc], 1);
+          if (master) atomicAdd(&wc[d], 1);
+        }
+      }
+    }
+  }
   __syncthreads();
   EP_TRACE(p, sh_t0, "dispatch pass1", tid == 0);
   int* cta_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaCounts);
@@ -451,10 +488,22 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
     cta_counts[static_cast<int64_t>(c) * RE + q] = run;
   }
+  int* peer_counts = reinterpret_cast<int*>(ws + EpScratch::kCtaPeerCounts);  // [G][R-1][RL]
+  for (int q = tid; rl && q < (R - 1) * RL; q += blockDim.x) {
+    const int q1 = q / RL, f = q % RL;
+    int run = 0;
+    for (int w2 = 0; w2 < LW; ++w2) {
+      const int v = pcnt[(q1 * LW + w2) * RL + f];
+      pcnt[(q1 * LW + w2) * RL + f] = run;
+      run += v;
+    }
+    peer_counts[static_cast<int64_t>(c) * (R - 1) * RL + q] = run;
+  }
   if (tid == 0) *ws_u64(ws, EpScratch::kCtaBad + 8ull * c) = sh_bad;
-  // internal failure (grid barrier timeout, sequence mismatch): publish nothing, peers time out
+  // internal failure (grid barrier timeout, sequence mismatch, a peer's routing rows missing): publish nothing,
+  // peers time out
   const bool synced = grid_sync(ws, p.w, kOpEpDispatch);
-  const bool iabort = !synced || !ce_sequence_ok(p, seq);
+  const bool iabort = !synced || !ce_sequence_ok(p, seq) || rfail;
   EP_TRACE(p, sh_t0, "dispatch grid_sync", tid == 0);
 
   // ---- prefix over earlier CTAs; CTA 0: totals; first bad entry of the grid -------------------------------
@@ -472,10 +521,32 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     if (c == 0) {
       if (q < R) own.counts[q] = tot; else own.exp_counts[q - R] = tot;
     }
+    if (rl) {  // the receive tables' inputs, which the peers' headers carry otherwise
+      if (q < R) tb.src_counts[me * R + q] = tot;
+      else if ((q - R) / E_loc == me) tb.off[q - R] = tot;  // off[me * E_loc + e], e = q - R - me * E_loc
+    }
+  }
+  for (int q = tid; rl && q < (R - 1) * RL; q += blockDim.x) {
+    const int q1 = q / RL, f = q % RL, s = (me + 1 + q1) % R;
+    int base = 0, tot = 0;
+#pragma unroll 8
+    for (int c2 = 0; c2 < G; ++c2) {
+      const int v = __ldcg(peer_counts + static_cast<int64_t>(c2) * (R - 1) * RL + q);
+      if (c2 < c) base += v;
+      tot += v;
+    }
+    for (int w2 = 0; w2 < LW; ++w2) pcnt[(q1 * LW + w2) * RL + f] += base;
+    if (f < R) tb.src_counts[s * R + f] = tot; else tb.off[s * E_loc + f - R] = tot;
   }
   __syncthreads();
   const bool bad = sh_bad != ULLONG_MAX;
-  if (bad && c == 0 && tid == 0 && !iabort) {
+  if (bad && c == 0 && tid == 0 && !iabort && (sh_bad >> 40) != 0) {  // a peer's (copy-engine rows)
+    const int s = (me + static_cast<int>(sh_bad >> 40)) % R;
+    const int t = static_cast<int>((sh_bad >> 6) & ((1ull << 34) - 1)), k = static_cast<int>(sh_bad & 63);
+    const int id = __ldcg(peer_slot(p, hoff, s, me).topk + static_cast<int64_t>(t) * K + k);
+    cuda::record_error_device(p.w.err, kErrBadInput, kOpEpDispatch, me, s, 0, id, 0,
+                              ep_bad_detail(t, (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert));
+  } else if (bad && c == 0 && tid == 0 && !iabort) {
     const int t = static_cast<int>(sh_bad >> 6), k = static_cast<int>(sh_bad & 63);
     const int id = p.topk[static_cast<int64_t>(t) * K + k];
     const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
@@ -489,7 +560,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
 
   // Header (CTA 0): totals, bad words and N into this rank's slot on every peer, then the flag. Before pass 2:
   // the receivers' tables need only the totals, and pass 2 of CTA 0's range would delay them.
-  if (c == 0 && !iabort) {
+  if (c == 0 && !iabort && !rl) {  // copy-engine rows: the receivers count for themselves
     for (int q = tid; q < (R - 1) * RE; q += blockDim.x) {
       const int d = (me + 1 + q / RE) % R, f = q % RE;
       const Slot sl = peer_slot(p, hoff, me, d);
@@ -528,10 +599,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         bool dup, master;
         token_lanes(id, d, valid, K, lane, &dup, &master);
         const int pr = master ? atomicAdd(&wc[d], 1) : -1;
-        if (lane < K) {
-          own.topk[tK + lane] = id;
+        if (lane < K) {  // topk: for push_token (copy-engine rows: the peers have the topk rows already)
+          if (!rl) own.topk[tK + lane] = id;
           own.pos_exp[tK + lane] = pe;
-          if (p.weights) own.w[tK + lane] = p.weights[tK + lane];
         }
         for (int d0 = 0; d0 < R; d0 += 32) {
           const int dd = d0 + lane;
@@ -545,10 +615,32 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         }
       } else {
         if (lane < K) {
-          own.topk[tK + lane] = -1;
+          if (!rl) own.topk[tK + lane] = -1;
           own.pos_exp[tK + lane] = -1;
         }
         for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
+      }
+    }
+  }
+  // Peers' pass 2 (copy-engine rows): the position of each of their tokens here and of its (t, k) pairs among the
+  // peer's pairs to that local expert -- what the peer's own pass 2 finds -- into the own inbox slot's pos / pos_exp.
+  if (rl && !bad && !iabort && warp < LW) {
+    for (int q1 = 0; q1 < R - 1; ++q1) {
+      const Slot sl = peer_slot(p, hoff, (me + 1 + q1) % R, me);
+      const int te = min(wb, peer_n(sl));
+      int* wc = pcnt + (q1 * LW + warp) * RL;
+      for (int t = wa; t < te; ++t) {
+        const int id = lane < K ? peer_topk_at(q1, sl.topk, t, lane) : -1;
+        const bool valid = id >= 0;
+        const int d = valid ? id / E_loc : -1;
+        const int pe = d == me ? atomicAdd(&wc[R + id - me * E_loc], 1) : -1;
+        bool dup, master;
+        token_lanes(id, d, valid, K, lane, &dup, &master);
+        const int pr = master && d == me ? atomicAdd(&wc[me], 1) : -1;
+        if (p.expand && lane < K) sl.pexp[static_cast<int64_t>(t) * K + lane] = pe;
+        const unsigned pm = __ballot_sync(kFull, pr >= 0);
+        const int v = pm ? __shfl_sync(kFull, pr, __ffs(pm) - 1) : -1;
+        if (lane == 0) sl.pos[t] = v;
       }
     }
   }
@@ -559,7 +651,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const int NCH = p.chunk, len = t1 - t0;
   if (warp < SW) {
     // ---- 2. stage warps: push this CTA's range, chunk by chunk ----------------------------------------------------
-    if (!bad && !iabort) {  // chunk li of the range by warp li % SW; no barrier between warps
+    if (!bad && !iabort && !rl) {  // chunk li of the range by warp li % SW; no barrier between warps
       push_chunks(p, own, hoff, seq, t0, len, min(t1, N), warp, SW, true,
                   [&](int t, int d) { return own.pos_rank[static_cast<int64_t>(t) * R + d]; }, lane);
     }
@@ -603,7 +695,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   // ---- 3. pull warps ------------------------------------------------------------------------------------------------
   const int ptid = tid - SW * 32, pthreads = PW * 32;
   bool ok = !bad && !iabort;
-  if (ok) {
+  if (ok && !rl) {
     for (int s = ptid; s < R; s += pthreads) {  // every peer's header (own memory)
       if (s == me) continue;
       const Slot sl = peer_slot(p, hoff, s, me);
@@ -621,15 +713,16 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   }
   EP_TRACE(p, sh_t0, "dispatch headers_in", ptid == 0);
   if (ok) {
-    // receive tables (counts of source q: own totals or q's header)
+    // receive tables (counts of source q: own totals or q's header; copy-engine rows: src_counts / off, filled
+    // after the grid barrier)
     for (int q = ptid; q < R; q += pthreads) {
       const int32_t* cq = q == me ? own.counts : peer_slot(p, hoff, q, me).counts;
-      tb.psum_excl[q + 1] = __ldcg(cq + me);  // recv_from[q], scanned below
+      tb.psum_excl[q + 1] = rl ? tb.src_counts[q * R + me] : __ldcg(cq + me);  // recv_from[q], scanned below
       int b = 0;
-      for (int s = 0; s < me; ++s) b += __ldcg(peer_slot(p, hoff, s, me).counts + q);
+      for (int s = 0; s < me; ++s) b += rl ? tb.src_counts[s * R + q] : __ldcg(peer_slot(p, hoff, s, me).counts + q);
       tb.base_dst[q] = b;
     }
-    for (int q = ptid; q < R * E_loc; q += pthreads) {
+    for (int q = ptid; !rl && q < R * E_loc; q += pthreads) {
       const int s = q / E_loc, e = q % E_loc;
       const int32_t* ec = s == me ? own.exp_counts : peer_slot(p, hoff, s, me).exp_counts;
       tb.off[q] = __ldcg(ec + me * E_loc + e);
@@ -661,7 +754,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
 
   // pulls: items (chunk li of this CTA's range, source slot q), own rank first, handed out dynamically
   const int per = ep_tokens_per_cta(M, G);
-  int ce_seen = -1, meta_src = -1;
+  int ce_seen = -1;
   for (;;) {
     int it = 0;
     if (lane == 0) it = atomicAdd(&sh_next, 1);
@@ -674,15 +767,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     const int Ns = self ? N : static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN)));
     const int cb = ep_chunk_begin(t0, len, NCH, li), ce = min(ep_chunk_begin(t0, len, NCH, li + 1), Ns);
     if (cb >= ce) continue;
-    if (!self && p.ce_pieces) {
-      // copy-engine rows: the routing rows of the whole range from s once (the stage warps push only those, and
-      // long before the pieces land), then per item only the piece; the items are small (~2 tokens, ep_ce_chunks)
-      if (meta_src != s && !wait_range_routing(p, sl, s, seq, c, t0, t1, len, Ns, NCH, SW, lane)) return;
-      meta_src = s;
-    } else if (!self &&
-               !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane)) {
+    // copy-engine rows: the routing rows are this CTA's own pass 2, then per item only the piece; the items are
+    // small (~2 tokens, ep_ce_chunks)
+    if (!self && !p.ce_pieces &&
+        !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
-    }
     if (!self && p.ce_pieces) {
       const int j = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
       if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
@@ -883,34 +972,43 @@ bool ep_cooperative_launch() {
   return v;
 }
 
-int64_t ep_dispatch_smem_bytes(int R, int E, int /*stage_warps*/, int* layout_warps, int* tables_offset) {
+int64_t ep_dispatch_smem_bytes(int R, int E, bool ce, int* layout_warps, int* tables_offset, int* peer_offset) {
   if (R < 1 || E < R) return -1;
-  const int E_loc = E / R, RE = R + E;
+  const int E_loc = E / R, RE = R + E, RL = ce ? (R - 1) * (R + E_loc) : 0;
   const int tables = (ep::tables_bytes(R, E_loc) + 15) / 16 * 16;
   const int budget = 200 * 1024;
-  const int lw = std::min(kEpThreads / 32, (budget - tables) / (RE * 4));
+  const int lw = std::min(kEpThreads / 32, (budget - tables) / ((RE + RL) * 4));
   if (lw < 1) return -1;
   if (layout_warps) *layout_warps = lw;
-  const int off = (lw * RE * 4 + 15) / 16 * 16;
+  const int peer = (lw * RE * 4 + 15) / 16 * 16;
+  const int off = peer + (lw * RL * 4 + 15) / 16 * 16;
+  if (peer_offset) *peer_offset = peer;
   if (tables_offset) *tables_offset = off;
   return off + tables;
 }
 
 cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
-  int lw = 0, off = 0;
-  const int64_t smem = ep_dispatch_smem_bytes(p.w.nranks, p.E, l.stage_warps, &lw, &off);
+  int lw = 0, off = 0, peer = 0;
+  const int64_t smem = ep_dispatch_smem_bytes(p.w.nranks, p.E, p.ce_pieces > 0, &lw, &off, &peer);
   if (smem < 0) return cudaErrorInvalidValue;
   p.layout_warps = lw;
   p.smem_tables = off;
-  // topk cache of the CTA's token range when it fits beside the counters and tables (H100/H200: 227 KB per CTA)
+  p.smem_peer_cnt = peer;
+  // topk cache of the CTA's token range (then of the peers' ranges: copy-engine rows) when it fits beside the
+  // counters and tables (H100/H200: 227 KB per CTA)
   const int64_t tpc = ep_tokens_per_cta(p.M, l.num_ctas);
   const int64_t cache = (smem + 15) / 16 * 16;
   const int64_t cache_bytes = tpc * p.K * 4;
   int64_t total = smem;
   p.smem_topk = -1;
+  p.smem_peer_topk = -1;
   if (cache + cache_bytes <= 220 * 1024) {
     p.smem_topk = static_cast<int32_t>(cache);
     total = cache + cache_bytes;
+    if (p.ce_pieces > 0 && total + (p.w.nranks - 1) * cache_bytes <= 220 * 1024) {
+      p.smem_peer_topk = static_cast<int32_t>(total);
+      total += (p.w.nranks - 1) * cache_bytes;
+    }
   }
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
