@@ -154,6 +154,26 @@ inline ffi::Error check_dispatch_input(int32_t op, Member& m, const ffi::AnyBuff
   return check_row_count(op, *s);
 }
 
+// What full and cached dispatch share besides their inputs: the received rows (recv_x, recv_x_scales,
+// recv_topk_weights) and the handle's arrays (psum_rank, psum_expert, unaligned, recv_src_metadata, dst_row),
+// which the full dispatch writes and the cached one reads.
+inline ffi::Error check_rows_and_handle(int32_t op, const EpShapes& s, const ffi::AnyBuffer& x,
+                                        const ffi::AnyBuffer& x_scales, const ffi::AnyBuffer& recv_x,
+                                        const ffi::AnyBuffer& recv_x_scales, const ffi::AnyBuffer& recv_topk_weights,
+                                        const ffi::AnyBuffer& psum_rank, const ffi::AnyBuffer& psum_expert,
+                                        const ffi::AnyBuffer& unaligned, const ffi::AnyBuffer& recv_src_metadata,
+                                        const ffi::AnyBuffer& dst_row, bool expand) {
+  const Common& c = s.c;
+  JE_CHECK(check(op, "recv_x", recv_x, {c.rows, s.H}, {x.element_type()}));
+  JE_CHECK(check(op, "recv_x_scales", recv_x_scales, {c.rows, s.P}, {x_scales.element_type()}));
+  JE_CHECK(check_recv_weights(op, recv_topk_weights, s, expand));
+  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
+  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
+  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s.rows_tok, s.K + 2}, {DT::S32}));
+  return check(op, "dst_row", dst_row, {s.N, c.R}, {DT::S32});
+}
+
 // Every buffer of a full dispatch.
 inline ffi::Error check_dispatch(int32_t op, Member& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
                                  const ffi::AnyBuffer& topk_idx, const ffi::AnyBuffer& topk_weights,
@@ -171,15 +191,9 @@ inline ffi::Error check_dispatch(int32_t op, Member& m, const ffi::AnyBuffer& x,
   JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
   const Common& c = s->c;
   JE_CHECK(check(op, "topk_idx", topk_idx, {s->N, K}, {DT::S32}));
-  JE_CHECK(check(op, "recv_x", recv_x, {c.rows, s->H}, {x.element_type()}));
-  JE_CHECK(check(op, "recv_x_scales", recv_x_scales, {c.rows, s->P}, {x_scales.element_type()}));
   JE_CHECK(check(op, "recv_topk_idx", recv_topk_idx, {expand ? 0 : s->rows_tok, K}, {DT::S32}));
-  JE_CHECK(check_recv_weights(op, recv_topk_weights, *s, expand != 0));
-  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
-  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s->rows_tok, K + 2}, {DT::S32}));
-  JE_CHECK(check(op, "dst_row", dst_row, {s->N, c.R}, {DT::S32}));
+  JE_CHECK(check_rows_and_handle(op, *s, x, x_scales, recv_x, recv_x_scales, recv_topk_weights, psum_rank, psum_expert,
+                                 unaligned, recv_src_metadata, dst_row, expand != 0));
   JE_CHECK(check(op, "num_recv_tokens", num_recv_tokens, {}, {DT::S32}));
   JE_CHECK(check(op, "group_sizes", group_sizes, {c.E_loc}, {DT::S32}));
   return check_token(op, token, token_out);
@@ -199,15 +213,8 @@ inline ffi::Error check_dispatch_cached(int32_t op, Member& m, const ffi::AnyBuf
     return op_error(op, "recv_src_metadata must be 2-D [R*M, K+2], got " + shape_str(recv_src_metadata));
   const int64_t K = recv_src_metadata.dimensions()[1] - 2;
   JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
-  const Common& c = s->c;
-  JE_CHECK(check(op, "recv_src_metadata", recv_src_metadata, {s->rows_tok, K + 2}, {DT::S32}));
-  JE_CHECK(check(op, "psum_rank", psum_rank, {c.R}, {DT::S32}));
-  JE_CHECK(check(op, "psum_expert", psum_expert, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "unaligned", unaligned, {c.E_loc}, {DT::S32}));
-  JE_CHECK(check(op, "dst_row", dst_row, {s->N, c.R}, {DT::S32}));
-  JE_CHECK(check(op, "recv_x", recv_x, {c.rows, s->H}, {x.element_type()}));
-  JE_CHECK(check(op, "recv_x_scales", recv_x_scales, {c.rows, s->P}, {x_scales.element_type()}));
-  JE_CHECK(check_recv_weights(op, recv_topk_weights, *s, expand != 0));
+  JE_CHECK(check_rows_and_handle(op, *s, x, x_scales, recv_x, recv_x_scales, recv_topk_weights, psum_rank, psum_expert,
+                                 unaligned, recv_src_metadata, dst_row, expand != 0));
   return check_token(op, token, token_out);
 }
 

@@ -13,6 +13,7 @@
 #include "jax_engram/engram_layout.h"
 #include "kernels/cuda/engram.cuh"
 #include "kernels/cuda/sync.cuh"
+#include "runtime/env.h"
 
 namespace jax_engram {
 namespace {
@@ -280,13 +281,6 @@ cudaError_t launch_typed(const Params& p, uint64_t want_blocks, int sm_count, in
     case kLoadCg: return launch_instance<V, kLoadCg>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
     default: return launch_instance<V, kLoadVolatile>(p, want_blocks, sm_count, t.blocks_per_sm, stream);
   }
-}
-
-int env_int(const char* name, int dflt, int lo, int hi) {
-  const char* s = std::getenv(name);
-  if (!s || !*s) return dflt;
-  int v = std::atoi(s);
-  return v < lo ? lo : (v > hi ? hi : v);
 }
 
 }  // namespace
