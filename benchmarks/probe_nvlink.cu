@@ -3,7 +3,7 @@
 // SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [mode]
-//   mode: engram | tma | ce_dispatch | fanout (local fan-out copies, one GPU)
+//   mode: engram | tma | ce_dispatch | fanout (local fan-out copies, one GPU) | mixed (copy engine + SM stores)
 //
 // "engram" runs only the Engram gather variants: half of the rows local, tables from cudaMalloc or from cuMem
 // (VMM, the way jax_engram maps its windows), rows drawn from the whole 1 GiB table or from its first 128 MiB
@@ -391,6 +391,21 @@ void ce_pieces(int dev, const Dev* d, int peer, int P, size_t bytes) {
   }
 }
 
+// "mixed": the copy engine moves the first pct % of the bytes while `ctas` CTAs store the rest to the peer, both
+// started together (a fork / join on a second stream): can the two engines together pass the copy engine alone?
+static int g_mix_pct = 100, g_mix_ctas = 0;
+static cudaEvent_t g_ev3[2];
+void mixed(int dev, const Dev* d, int peer, int, size_t bytes) {
+  const size_t ce_bytes = bytes * g_mix_pct / 100 / 4096 * 4096;
+  CK(cudaEventRecord(g_ev2[dev], d[dev].st));
+  CK(cudaStreamWaitEvent(g_st2[dev], g_ev2[dev], 0));
+  if (ce_bytes) CK(cudaMemcpyPeerAsync(d[peer].b, peer, d[dev].a, dev, ce_bytes, g_st2[dev]));
+  if (bytes > ce_bytes && g_mix_ctas > 0)
+    copy_kernel<8><<<g_mix_ctas, kThreads, 0, d[dev].st>>>((const uint4*)(d[dev].a + ce_bytes),
+                                                           (uint4*)(d[peer].b + ce_bytes), (bytes - ce_bytes) / 16);
+  CK(cudaEventRecord(g_ev3[dev], g_st2[dev]));
+  CK(cudaStreamWaitEvent(d[dev].st, g_ev3[dev], 0));
+}
 void local_copy24(int dev, const Dev* d, int, int, size_t bytes) {  // the local copy of ce_pieces<.., true> alone
   copy_kernel<8><<<24, kThreads, 0, d[dev].st>>>((const uint4*)d[dev].table, (uint4*)(d[dev].table + 2 * bytes),
                                                  2 * bytes / 16);
@@ -521,6 +536,24 @@ int main(int argc, char** argv) {
         std::printf("%-11s %4d %5d %9.1f   (GB/s written, one GPU)\n", p.name, 1, c, run(p.f, 1, c, bytes));
         std::fflush(stdout);
       }
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "mixed") {  // e.g. 56 (MiB): a 4096-token dispatch's x
+    for (int i = 0; i < 2; ++i) {
+      CK(cudaSetDevice(i));
+      CK(cudaStreamCreateWithFlags(&g_st2[i], cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&g_ev2[i], cudaEventDisableTiming));
+      CK(cudaEventCreateWithFlags(&g_ev3[i], cudaEventDisableTiming));
+    }
+    std::printf("(mixed: ctas column = SM-store CTAs, then the copy engine's share in %%)\n");
+    for (int dirs = 1; dirs <= 2; ++dirs)
+      for (int c : {8, 16, 24})
+        for (int pct : {100, 90, 80, 70, 60, 50, 0}) {
+          g_mix_ctas = c;
+          g_mix_pct = pct;
+          std::printf("%-11s %4d %5d %9.1f   ce %d %%\n", "mixed", dirs, c, run(mixed, dirs, c, bytes), pct);
+          std::fflush(stdout);
+        }
     return 0;
   }
   if (argc > 2 && std::string(argv[2]) == "ce_dispatch") {  // bytes: e.g. 56 (MiB, 4096 rows of 14 KiB)
