@@ -158,9 +158,11 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
       if (nk > 0) e = cudaMemcpyAsync(slot + I.topk_idx(), p.topk, nk, cudaMemcpyDeviceToDevice, cs);
       if (e == cudaSuccess && nk > 0 && p.weights)
         e = cudaMemcpyAsync(slot + I.weights(), p.weights, nk, cudaMemcpyDeviceToDevice, cs);
-      if (e == cudaSuccess && p.N > 0 && p.sf_bytes)
-        e = cudaMemcpy2DAsync(slot + I.scales(), p.L.sf_row, p.sf, p.sf_bytes, p.sf_bytes, p.N,
-                              cudaMemcpyDeviceToDevice, cs);
+      if (e == cudaSuccess && p.N > 0 && p.sf_bytes)  // one plain copy when the rows are packed (56 scales: 224 B)
+        e = p.L.sf_row == p.sf_bytes
+                ? cudaMemcpyAsync(slot + I.scales(), p.sf, p.N * p.sf_bytes, cudaMemcpyDeviceToDevice, cs)
+                : cudaMemcpy2DAsync(slot + I.scales(), p.L.sf_row, p.sf, p.sf_bytes, p.sf_bytes, p.N,
+                                    cudaMemcpyDeviceToDevice, cs);
       if (e != cudaSuccess) return cuda_failure(op, "enqueueing the copy-engine routing rows", e);
       JE_CHECK(write_value(cs, slot + EpInbox::kFlag, p.ce_seq, "copy-engine routing flag"));
     }

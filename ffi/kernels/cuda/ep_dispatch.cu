@@ -274,6 +274,7 @@ JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, in
 // take ~10 us at 4096 tokens (171 tokens per CTA).
 JE_DEVICE void token_lanes(int id, int d, bool valid, int K, int lane, bool* dup, bool* master) {
   bool du = false, ma = valid;
+#pragma unroll 8
   for (int j = 0; j < K; ++j) {
     const int oid = __shfl_sync(kFull, id, j), od = __shfl_sync(kFull, d, j);
     du |= valid && j < lane && oid == id;
@@ -439,6 +440,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   };
   const auto peer_n = [&](const Slot& sl) { return min(static_cast<int>(ld_volatile_u64(sl.ctrl(EpInbox::kN))), M); };
   if (rl) {
+    EP_TRACE(p, sh_t0, "dispatch own pass1", tid == 0);
     for (int q1 = tid; q1 < R - 1; q1 += blockDim.x) {
       const int s = (me + 1 + q1) % R;
       if (!wait_local(peer_slot(p, hoff, s, me).ctrl(EpInbox::kFlag), seq, p.w, kOpEpDispatch, s))
@@ -446,6 +448,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
     __syncthreads();
     rfail = sh_abort != 0;
+    EP_TRACE(p, sh_t0, "dispatch routing in", tid == 0);
     if (!rfail && ptk) {
       for (int q1 = 0; q1 < R - 1; ++q1) {
         const Slot sl = peer_slot(p, hoff, (me + 1 + q1) % R, me);
@@ -539,6 +542,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     if (f < R) tb.src_counts[s * R + f] = tot; else tb.off[s * E_loc + f - R] = tot;
   }
   __syncthreads();
+  EP_TRACE(p, sh_t0, "dispatch prefix", tid == 0);
   const bool bad = sh_bad != ULLONG_MAX;
   if (bad && c == 0 && tid == 0 && !iabort && (sh_bad >> 40) != 0) {  // a peer's (copy-engine rows)
     const int s = (me + static_cast<int>(sh_bad >> 40)) % R;
@@ -603,16 +607,11 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
           if (!rl) own.topk[tK + lane] = id;
           own.pos_exp[tK + lane] = pe;
         }
-        for (int d0 = 0; d0 < R; d0 += 32) {
-          const int dd = d0 + lane;
-          int v = -1;
-          for (int k = 0; k < K; ++k) {
-            const int dk = __shfl_sync(kFull, d, k);
-            const int pk = __shfl_sync(kFull, pr, k);
-            if (dk == dd && pk >= 0) v = pk;
-          }
-          if (dd < R) own.pos_rank[static_cast<int64_t>(t) * R + dd] = v;
-        }
+        // pos_rank row: -1, then each master lane's position at its rank (distinct ranks; __syncwarp orders the
+        // two stores to one word). Was a K-step shuffle search per 32 ranks: ~16 dependent shuffles per token.
+        for (int dd = lane; dd < R; dd += 32) own.pos_rank[static_cast<int64_t>(t) * R + dd] = -1;
+        __syncwarp();
+        if (pr >= 0) own.pos_rank[static_cast<int64_t>(t) * R + d] = pr;
       } else {
         if (lane < K) {
           if (!rl) own.topk[tK + lane] = -1;
