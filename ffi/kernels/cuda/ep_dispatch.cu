@@ -274,7 +274,6 @@ JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, in
 // take ~10 us at 4096 tokens (171 tokens per CTA).
 JE_DEVICE void token_lanes(int id, int d, bool valid, int K, int lane, bool* dup, bool* master) {
   bool du = false, ma = valid;
-#pragma unroll 8
   for (int j = 0; j < K; ++j) {
     const int oid = __shfl_sync(kFull, id, j), od = __shfl_sync(kFull, d, j);
     du |= valid && j < lane && oid == id;
@@ -361,6 +360,10 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
   if (p.sf_bytes) warp_copy(src_sf, p.recv_sf, p.sf_bytes, dm, row, p.sf_bytes, lane);
 }
 
+// kCe: copy-engine rows (p.ce_pieces > 0), with the receivers' layout of the peers' tokens. A template parameter so
+// that the SM-store kernel carries none of that code: sharing one kernel cost the 128-token dispatch ~3 us
+// (results/ep_diagnosis_2xh200.log section 20; more registers spilled).
+template <bool kCe>
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatchParams p, int SW) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
@@ -396,7 +399,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   for (int q = tid; q < LW * RE; q += blockDim.x) cnt[q] = 0;
   // Copy-engine rows: this CTA also lays out the same range of every peer's tokens (their topk rows come by the
   // copy engine, ep.h), counting per dest rank and per LOCAL expert: per warp [R-1][LW][RL], peer q = me + 1 + q1.
-  const bool rl = p.ce_pieces > 0;
+  constexpr bool rl = kCe;
   const int RL = R + E_loc;
   int* pcnt = rl ? reinterpret_cast<int*>(smem + p.smem_peer_cnt) : nullptr;
   for (int q = tid; rl && q < (R - 1) * LW * RL; q += blockDim.x) pcnt[q] = 0;
@@ -1012,7 +1015,8 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
   p.trace_cta = ep_trace_cta();
-  return ep::launch(ep::dispatch_kernel, p, l, static_cast<int>(total), stream);
+  return ep::launch(p.ce_pieces > 0 ? ep::dispatch_kernel<true> : ep::dispatch_kernel<false>, p, l,
+                    static_cast<int>(total), stream);
 }
 
 cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
