@@ -774,13 +774,15 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     if (!self && !p.ce_pieces &&
         !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
-    if (!self && p.ce_pieces) {
-      const int j = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
-      if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
-      if (p.trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
-        const int bit = j == 0 ? 1 : 2;
-        if (!(atomicOr(&sh_piece_seen, bit) & bit))
-          EP_TRACE(p, sh_t0, j == 0 ? "dispatch ce piece 0 in" : "dispatch ce last piece in", true);
+    if (!self && p.ce_pieces) {  // every piece the chunk touches: with several copy streams they land in any order
+      const int j0 = ep_ce_piece_of(cb - t0, per, p.ce_pieces), j1 = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
+      for (int j = j0; j <= j1; ++j) {
+        if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
+        if (p.trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
+          const int bit = j == 0 ? 1 : 2;
+          if (!(atomicOr(&sh_piece_seen, bit) & bit))
+            EP_TRACE(p, sh_t0, j == 0 ? "dispatch ce piece 0 in" : "dispatch ce last piece in", true);
+        }
       }
     }
     int pos = -1;
