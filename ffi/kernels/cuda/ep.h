@@ -118,10 +118,14 @@ struct EpCombineParams {
   int32_t trace_cta = -1;
 };
 
-// Push chunk (tokens or rows): each CTA owns `per_cta` consecutive items, dealt round-robin to its stage warps in
-// chunks; ~4 chunks per warp so that receivers start early, 1..32 items each.
+// Combine push chunk (rows): each CTA owns ~`per_cta` rows, dealt round-robin to its stage warps in chunks, one
+// progress release (fence + flag) per chunk; ~8 chunks per warp, 1..32 rows each. Larger chunks leave warps idle
+// (the chunks of a source region are few and unevenly dealt): on 2xH200 at 4096 tokens (hidden 7168, 24 SMs) chunks
+// of 16 / 32 / 64 rows took 318 / 528 / 1367 us per non-expand combine against 260-269 us for 4-11 rows, and the
+// expand combine 885 us with 12 rows against 720 with 2-4 (tools/ep_knobs.py, results/ep_diagnosis_2xh200.log
+// section 21). JAX_ENGRAM_EP_COMBINE_CHUNK overrides it (diagnosis).
 inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
-  const int64_t q = 4 * stage_warps;
+  const int64_t q = 8 * stage_warps;
   const int64_t c = (per_cta + q - 1) / q;
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }

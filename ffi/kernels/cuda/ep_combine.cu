@@ -23,6 +23,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
+#include "runtime/env.h"
 
 namespace jax_engram {
 namespace ep {
@@ -415,6 +416,8 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
     return cudaErrorInvalidValue;
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
+  // JAX_ENGRAM_EP_COMBINE_CHUNK (diagnosis): rows per push chunk, i.e. per progress release (fence + flag)
+  p.chunk = env_int("JAX_ENGRAM_EP_COMBINE_CHUNK", p.chunk, 1, 256);
   p.trace = ep_trace_level();
   p.trace_cta = ep_trace_cta();
   cudaLaunchConfig_t cfg = {};
