@@ -3,8 +3,9 @@ dispatch loop is timed under each setting in turn, the settings interleaved over
 all of them; per call = the slope of loops of n and 3n calls (benchmarks/_common.time_per_call). Every setting's
 output is compared with the first setting's (a knob must never change the result).
 
-    python tools/ep_knobs.py {dispatch|combine}[_expand] TOKENS ROUNDS 'NAME=VALUE,NAME=VALUE' 'NAME=VALUE' ...
-    (an empty string: unset all; combine loops reuse one dispatch's handle)
+    python tools/ep_knobs.py {dispatch|combine}[_expand][:unroll] TOKENS ROUNDS 'NAME=VALUE,NAME=VALUE' 'NAME=VALUE' ...
+    (an empty string: unset all; combine loops reuse one dispatch's handle; ":unroll": the n calls in straight-line
+    code instead of a lax.fori_loop, chained by their tokens as in the loop)
 
 Names are given without the JAX_ENGRAM_EP_ prefix, e.g. CE_TAPER=20,CE_OWN_FIRST=0.
 """
@@ -22,7 +23,10 @@ import _common as C  # noqa: E402
 import jax_engram as je  # noqa: E402
 from _ep_setup import E, setup  # noqa: E402
 
-op, _, layout = sys.argv[1].partition("_")
+what, _, mode = sys.argv[1].partition(":")
+op, _, layout = what.partition("_")
+if mode not in ("", "unroll"):
+    raise SystemExit("mode after ':' must be unroll")
 if op not in ("dispatch", "combine") or layout not in ("", "expand"):
     raise SystemExit("first argument: dispatch, combine, dispatch_expand or combine_expand")
 M = int(sys.argv[2])
@@ -51,14 +55,20 @@ def make(n):
     if n in progs:
         return progs[n]
 
+    def repeat(body, t):
+        if mode == "unroll":
+            for i in range(n):
+                t = body(i, t)
+            return t
+        return lax.fori_loop(0, n, body, t)
+
     def loop(x, tk):
         t0 = lax.pcast(jnp.zeros((), jnp.float32), "ep", to="varying")
         if op == "dispatch":
-            return lax.fori_loop(0, n, lambda i, t: je.dispatch(x, tk, token=t, **kw).token, t0)[None]
+            return repeat(lambda i, t: je.dispatch(x, tk, token=t, **kw).token, t0)[None]
         res = je.dispatch(x, tk, token=t0, **kw)
         y = res.recv_x
-        return lax.fori_loop(0, n, lambda i, t: je.combine(y, res.handle, token=t, return_token=True)[-1],
-                             res.token)[None]
+        return repeat(lambda i, t: je.combine(y, res.handle, token=t, return_token=True)[-1], res.token)[None]
     progs[n] = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
     return progs[n]
 
