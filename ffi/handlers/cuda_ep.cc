@@ -12,6 +12,7 @@
 //                               ce_pieces_for below, 0 = never (SM stores), 1 = whenever the hardware allows it
 //   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 4, 1..32)
 //   JAX_ENGRAM_EP_CE_STREAMS    copy streams the pieces go round (default 1, at most 4)
+//   JAX_ENGRAM_EP_CE_TAPER      later pieces smaller (ep.h ep_ce_piece_begin; default 0 = equal pieces)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -169,7 +170,7 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
   }
   for (int j = 0; j < P; ++j) {
     cudaStream_t cs = st.ep_copy_streams[j % NS];
-    const int b0 = ep_ce_piece_begin(per, P, j), b1 = ep_ce_piece_begin(per, P, j + 1);
+    const int b0 = ep_ce_piece_begin(per, P, j, p.ce_taper), b1 = ep_ce_piece_begin(per, P, j + 1, p.ce_taper);
     // CTAs whose piece lies wholly below N (a prefix), then the one that N cuts
     const int full = p.N >= b1 ? std::min<int64_t>(nct, (p.N - b1) / per + 1) : 0;
     for (int d = 0; d < R; ++d) {
@@ -323,6 +324,8 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
   p.recv_w = sh.has_w ? static_cast<float*>(recv_topk_weights.untyped_data()) : nullptr;
   p.token_out = static_cast<int32_t*>(token_out.untyped_data());
   p.ce_pieces = ce;
+  // shrinking pieces, capped where the last one would vanish
+  p.ce_taper = ce > 1 ? env_int("JAX_ENGRAM_EP_CE_TAPER", 0, 0, 99 / (ce - 1)) : 0;
   return ffi::Error::Success();
 }
 

@@ -90,6 +90,7 @@ struct EpDispatchParams {
   // sequence number ce_seq (the host's count of dispatch-type calls: the copies chose the half by it).
   int32_t ce_pieces = 0;
   uint64_t ce_seq = 0;
+  int32_t ce_taper = 0;  // piece sizes (ep_ce_piece_begin)
 };
 
 enum class EpDtype : int { kBF16 = 0, kF32 = 1 };
@@ -194,10 +195,19 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 // 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot. Each piece + flag costs the
 // copy engine ~6 us (2xH200: copies end 174 us after the fork with 1 piece, 222 with 8), the tail shrinks with
 // more pieces: 4 measured best (results/ep_diagnosis_2xh200.log section 19).
-JE_HD int ep_ce_piece_begin(int per, int P, int j) { return static_cast<int>(static_cast<int64_t>(per) * j / P); }
+// Taper tau (JAX_ENGRAM_EP_CE_TAPER, 0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
+// later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
+// of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the
+// kernel's waits must agree exactly.
+JE_HD int ep_ce_piece_begin(int per, int P, int j, int tau = 0) {
+  return static_cast<int>(static_cast<int64_t>(per) * j * (100 + tau * (P - j)) / (100 * static_cast<int64_t>(P)));
+}
 // The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
-JE_HD int ep_ce_piece_of(int off, int per, int P) {
-  return static_cast<int>((static_cast<int64_t>(off + 1) * P - 1) / per);
+JE_HD int ep_ce_piece_of(int off, int per, int P, int tau = 0) {
+  if (tau == 0) return static_cast<int>((static_cast<int64_t>(off + 1) * P - 1) / per);
+  int j = 0;
+  while (j < P - 1 && ep_ce_piece_begin(per, P, j + 1, tau) <= off) ++j;
+  return j;
 }
 // Chunks per CTA with copy-engine rows: the stage warps only push routing rows, so chunks are small (~2 tokens):
 // a chunk is also the pull warps' unit of work, and after the last piece lands each CTA's share of it must spread

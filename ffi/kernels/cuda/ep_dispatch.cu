@@ -775,7 +775,8 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         !warp_wait_local(chunk_word(sl, c, li, SW), chunk_value(seq, li, SW), p.w, kOpEpDispatch, s, lane))
       return;
     if (!self && p.ce_pieces) {  // every piece the chunk touches: with several copy streams they land in any order
-      const int j0 = ep_ce_piece_of(cb - t0, per, p.ce_pieces), j1 = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces);
+      const int j0 = ep_ce_piece_of(cb - t0, per, p.ce_pieces, p.ce_taper);
+      const int j1 = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces, p.ce_taper);
       for (int j = j0; j <= j1; ++j) {
         if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
         if (p.trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
@@ -916,7 +917,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
       // a piece covers the same offsets of every source CTA's range: the piece index steps back when these rows
       // cross into the next CTA's range (a repeated wait for a landed piece is two loads)
       if (s != me && p.ce_pieces) {
-        const int j = ep_ce_piece_of(t - sb, per, p.ce_pieces);
+        const int j = ep_ce_piece_of(t - sb, per, p.ce_pieces, p.ce_taper);
         if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
       }
       pull_cached(p, sl, s, t, blk * 32 + b, lane);
