@@ -91,6 +91,10 @@ struct EpDispatchParams {
   int32_t ce_pieces = 0;
   uint64_t ce_seq = 0;
   int32_t ce_taper = 0;  // piece sizes (ep_ce_piece_begin)
+  // > 0: the copy streams (this many) write EpWorkspace::kCopiesDone[i] = seq after their last copy and CTA 0 waits
+  // for them before the kernel ends, instead of XLA's stream joining the copy streams (the inputs stay alive until
+  // the copies have read them either way)
+  int32_t ce_wait_copies = 0;
 };
 
 enum class EpDtype : int { kBF16 = 0, kF32 = 1 };
@@ -195,6 +199,10 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 // 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot. Each piece + flag costs the
 // copy engine ~6 us (2xH200: copies end 174 us after the fork with 1 piece, 222 with 8), the tail shrinks with
 // more pieces: 4 measured best (results/ep_diagnosis_2xh200.log section 19).
+// Default taper: 4 pieces of 40 / 30 / 20 / 10 %. On 2xH200 at 4096 tokens (bf16, hidden 7168) against equal
+// pieces: 215.5 vs 221.1 us per dispatch (12 interleaved rounds) and 222.2 vs 226.5 (5 rounds, another machine),
+// results/ep_diagnosis_2xh200.log sections 21e, 22.
+inline constexpr int kEpCeTaper = 20;
 // Taper tau (JAX_ENGRAM_EP_CE_TAPER, 0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
 // later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
 // of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the

@@ -30,6 +30,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
+#include "runtime/env.h"
 
 namespace jax_engram {
 namespace ep {
@@ -147,6 +148,15 @@ JE_DEVICE bool ce_sequence_ok(const EpDispatchParams& p, uint64_t seq) {
     cuda::record_error_device(p.w.err, kErrSequence, kOpEpDispatch, p.w.rank, p.w.rank,
                               static_cast<int64_t>(p.ce_seq), static_cast<int64_t>(seq), 0, 0);
   return false;
+}
+
+// CTA 0's stage warps (SW of them), at the end of a copy-engine call with p.ce_wait_copies: wait (bounded) until
+// every copy stream of this rank wrote kCopiesDone = seq after its last copy, so that XLA's stream needs no join.
+// Also after a failure: the copies read this call's inputs.
+JE_DEVICE void wait_own_copies(const EpDispatchParams& p, uint64_t seq, int SW) {
+  if (blockIdx.x != 0 || !p.ce_wait_copies) return;
+  for (int i = threadIdx.x; i < p.ce_wait_copies; i += SW * 32)
+    wait_local(ws_u64(p.w.ws_own, EpWorkspace::kCopiesDone + 8ull * i), seq, p.w, kOpEpDispatch, p.w.rank);
 }
 
 // Publishes progress[c][warp] = (seq << 32) | n on every peer's slot of this rank. Whole warp, after its pushes.
@@ -688,6 +698,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       for (int s = tid; s < R; s += SW * 32)
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
     }
+    wait_own_copies(p, seq, SW);
     EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
     trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
     EP_TRACE_FLUSH(p, sh_t0);
@@ -863,6 +874,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
     if (c == 0)
       for (int s = tid; s < R; s += SW * 32)
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
+    wait_own_copies(p, seq, SW);
     return;
   }
 
@@ -953,29 +965,19 @@ cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatch
 }  // namespace
 }  // namespace ep
 
+// Trace knobs: read once (the kernels' printf buffers are sized at the first launch). The cooperative attribute: per
+// launch, so tools/ep_knobs.py can A/B it in one process.
 int ep_trace_level() {
-  static const int v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_TRACE");
-    return !e || !*e ? 0 : std::max(0, std::atoi(e));
-  }();
+  static const int v = env_int("JAX_ENGRAM_EP_TRACE", 0, 0, 2);
   return v;
 }
 
 int ep_trace_cta() {
-  static const int v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_TRACE_CTA");
-    return !e || !*e ? -1 : std::atoi(e);
-  }();
+  static const int v = env_int("JAX_ENGRAM_EP_TRACE_CTA", -1, -1, kEpMaxCtas - 1);
   return v;
 }
 
-bool ep_cooperative_launch() {
-  static const bool v = [] {
-    const char* e = std::getenv("JAX_ENGRAM_EP_COOPERATIVE");
-    return !e || !*e || std::atoi(e) != 0;
-  }();
-  return v;
-}
+bool ep_cooperative_launch() { return env_int("JAX_ENGRAM_EP_COOPERATIVE", 1, 0, 1) != 0; }
 
 int64_t ep_dispatch_smem_bytes(int R, int E, bool ce, int* layout_warps, int* tables_offset, int* peer_offset) {
   if (R < 1 || E < R) return -1;
