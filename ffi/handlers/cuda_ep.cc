@@ -189,12 +189,6 @@ ffi::Error enqueue_ce_rows(CudaMemberState& st, const Allocation& sa, const EpDi
       JE_CHECK(write_value(cs, slot + EpInbox::kCe + 8ull * j, p.ce_seq, "copy-engine piece flag"));
     }
   }
-  if (p.ce_wait_copies > 0) {  // the kernel waits for these words (own workspace)
-    for (int i = 0; i < NS; ++i)
-      JE_CHECK(write_value(st.ep_copy_streams[i], p.w.ws_own + EpWorkspace::kCopiesDone + 8ull * i, p.ce_seq,
-                           "copies done"));
-    return ffi::Error::Success();
-  }
   for (int i = 0; i < NS && e == cudaSuccess; ++i) e = cudaEventRecord(st.ep_joins[i], st.ep_copy_streams[i]);
   if (e != cudaSuccess) return cuda_failure(op, "recording the copy streams' end", e);
   return ffi::Error::Success();
@@ -271,7 +265,7 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
   if (e != cudaSuccess) return cuda_failure(op, what, e);
   ++st.ep_dispatch_calls;
   if (tr) cudaEventRecord(tr->ev[ti][2], stream);
-  for (int i = 0; i < ce_streams() && p.ce_pieces > 0 && p.ce_wait_copies == 0; ++i)
+  for (int i = 0; i < ce_streams() && p.ce_pieces > 0; ++i)
     if ((e = cudaStreamWaitEvent(stream, st.ep_joins[i], 0)) != cudaSuccess)
       return cuda_failure(op, "joining the copy streams", e);
   if (tr) {
@@ -331,8 +325,6 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
   p.token_out = static_cast<int32_t*>(token_out.untyped_data());
   p.ce_pieces = ce;
   // shrinking pieces, capped where the last one would vanish
-  // JAX_ENGRAM_EP_CE_JOIN=0: the kernel waits for its copies (kCopiesDone) instead of XLA's stream (diagnosis)
-  p.ce_wait_copies = ce > 0 && env_int("JAX_ENGRAM_EP_CE_JOIN", 1, 0, 1) == 0 ? ce_streams() : 0;
   p.ce_taper = ce > 1 ? env_int("JAX_ENGRAM_EP_CE_TAPER", std::min(kEpCeTaper, 99 / (ce - 1)), 0, 99 / (ce - 1)) : 0;
   return ffi::Error::Success();
 }

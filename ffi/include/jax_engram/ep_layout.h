@@ -47,9 +47,6 @@ struct EpWorkspace {
   static constexpr uint64_t kDispatchBad = WorkspaceLayout::kEp + 256;        // seq of a call with bad input
   static constexpr uint64_t kDispatchBadDetail = WorkspaceLayout::kEp + 264;  // int64: ep_bad_detail()
   static constexpr uint64_t kDispatchBadValue = WorkspaceLayout::kEp + 272;   // int64: the offending id
-  // uint64[4]: copy stream i of the copy-engine dispatch wrote the call's seq after its last copy (CUDA, when the
-  // kernel rather than XLA's stream waits for the copies: JAX_ENGRAM_EP_CE_JOIN=0)
-  static constexpr uint64_t kCopiesDone = WorkspaceLayout::kEp + 384;
   static constexpr uint64_t kCombineSeq = WorkspaceLayout::kEp + 512;
   static constexpr uint64_t kCombineReady = WorkspaceLayout::kEp + 640;
   static constexpr uint64_t kCombineBad = WorkspaceLayout::kEp + 768;

@@ -91,10 +91,6 @@ struct EpDispatchParams {
   int32_t ce_pieces = 0;
   uint64_t ce_seq = 0;
   int32_t ce_taper = 0;  // piece sizes (ep_ce_piece_begin)
-  // > 0: the copy streams (this many) write EpWorkspace::kCopiesDone[i] = seq after their last copy and CTA 0 waits
-  // for them before the kernel ends, instead of XLA's stream joining the copy streams (the inputs stay alive until
-  // the copies have read them either way)
-  int32_t ce_wait_copies = 0;
 };
 
 enum class EpDtype : int { kBF16 = 0, kF32 = 1 };

@@ -150,15 +150,6 @@ JE_DEVICE bool ce_sequence_ok(const EpDispatchParams& p, uint64_t seq) {
   return false;
 }
 
-// CTA 0's stage warps (SW of them), at the end of a copy-engine call with p.ce_wait_copies: wait (bounded) until
-// every copy stream of this rank wrote kCopiesDone = seq after its last copy, so that XLA's stream needs no join.
-// Also after a failure: the copies read this call's inputs.
-JE_DEVICE void wait_own_copies(const EpDispatchParams& p, uint64_t seq, int SW) {
-  if (blockIdx.x != 0 || !p.ce_wait_copies) return;
-  for (int i = threadIdx.x; i < p.ce_wait_copies; i += SW * 32)
-    wait_local(ws_u64(p.w.ws_own, EpWorkspace::kCopiesDone + 8ull * i), seq, p.w, kOpEpDispatch, p.w.rank);
-}
-
 // Publishes progress[c][warp] = (seq << 32) | n on every peer's slot of this rank. Whole warp, after its pushes.
 JE_DEVICE void publish_progress(const EpDispatchParams& p, uint64_t hoff, uint64_t seq, int n, int warp, int lane) {
   __threadfence_system();
@@ -698,7 +689,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       for (int s = tid; s < R; s += SW * 32)
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
     }
-    wait_own_copies(p, seq, SW);
     EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
     trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
     EP_TRACE_FLUSH(p, sh_t0);
@@ -874,7 +864,6 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
     if (c == 0)
       for (int s = tid; s < R; s += SW * 32)
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
-    wait_own_copies(p, seq, SW);
     return;
   }
 
