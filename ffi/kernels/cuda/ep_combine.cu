@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R;
   uint8_t* ws = p.w.ws_own;
-  EP_TRACE_DECL;
+  EP_TRACE_DECL(true);
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kCombineSeq, EpScratch::kCombineArrive);
