@@ -181,7 +181,8 @@ JE_DEVICE void mark_bad(const EpCombineParams& p, uint64_t seq, int64_t detail, 
   cuda::record_error_device(p.w.err, kErrBadInput, kOpEpCombine, p.w.rank, p.w.rank, 0, value, 0, detail);
 }
 
-template <typename T>
+// kTrace: the JAX_ENGRAM_EP_TRACE code (p.trace > 0 launches that instantiation; see dispatch_kernel).
+template <typename T, bool kTrace>
 __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineParams p, int SW) {
   __shared__ uint64_t sh_seq;
   __shared__ int sh_next, sh_done, sh_base_ready;
@@ -192,11 +193,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R;
   uint8_t* ws = p.w.ws_own;
-  EP_TRACE_DECL;
+  EP_TRACE_DECL(kTrace);
+  const int trace = kTrace ? p.trace : 0;
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kCombineSeq, EpScratch::kCombineArrive);
-    trace_span_begin(p.trace, ws, sh_t0);
+    trace_span_begin(trace, ws, sh_t0);
     sh_next = 0;
     sh_done = 0;
     sh_base_ready = 0;
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       const bool master = valid && 31 - __clz(sd) == lane && row >= 0;
       const unsigned mm = __ballot_sync(kFull, master);
       int okw = 1;
-      const uint64_t tr0 = p.trace > 1 ? cuda::globaltimer_ns() : 0;
+      const uint64_t tr0 = trace > 1 ? cuda::globaltimer_ns() : 0;
       const bool own_row = !p.expand && d == me;  // non-expand own rank: the row is y[row] itself, nothing to wait for
       const uint8_t* slot = master && !own_row ? combine_slot(p, hoff, me, d) : nullptr;
       if (master && !own_row) {
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       }
       if (!__all_sync(kFull, okw)) return false;
       __syncwarp();
-      const uint64_t tr1 = p.trace > 1 ? cuda::globaltimer_ns() : 0;
+      const uint64_t tr1 = trace > 1 ? cuda::globaltimer_ns() : 0;
       const uint8_t* src = !master ? nullptr
                            : own_row ? p.y + static_cast<int64_t>(row) * row_bytes
                                      : slot + p.L.slot_y() + static_cast<int64_t>(t) * p.L.y_row;
@@ -274,7 +276,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       } else {
         warp_sum<T>(out, b0, b1, mm, src, row_bytes, lane);
       }
-      if (p.trace > 1) {
+      if (trace > 1) {
         const uint64_t tr2 = cuda::globaltimer_ns();
         tr_wait += tr1 - tr0;
         tr_work += tr2 - tr1;
@@ -377,9 +379,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
       }
     }
     EP_TRACE(p, sh_t0, "combine end_wait", tid == 0);
-    trace_span_end(p.trace, ws, &sh_done, "combine", me);
+    trace_span_end(trace, ws, &sh_done, "combine", me);
     EP_TRACE_FLUSH(p, sh_t0);
-    if (p.trace > 1 && lane == 0 && (c == 0 || c == G - 1))
+    if (trace > 1 && lane == 0 && (c == 0 || c == G - 1))
       printf("EPREDUCE rank %d cta %d warp %d (stage): %llu tokens, waiting %.1f us, reducing %.1f us\n", me, c, warp,
              (unsigned long long)tr_tokens, tr_wait * 1e-3, tr_work * 1e-3);
     return;
@@ -401,9 +403,9 @@ __global__ void __launch_bounds__(kEpThreads, 1) combine_kernel(const EpCombineP
   }
   if (!reduce_tokens()) return;
   EP_TRACE(p, sh_t0, "combine reduced", lane == 0 && (warp == SW || warp == 15));
-  trace_span_end(p.trace, ws, &sh_done, "combine", me);
+  trace_span_end(trace, ws, &sh_done, "combine", me);
   EP_TRACE_FLUSH(p, sh_t0);
-  if (p.trace > 1 && lane == 0 && (c == 0 || c == G - 1))
+  if (trace > 1 && lane == 0 && (c == 0 || c == G - 1))
     printf("EPREDUCE rank %d cta %d warp %d: %llu tokens, waiting %.1f us, reducing %.1f us\n", me, c, warp,
            (unsigned long long)tr_tokens, tr_wait * 1e-3, tr_work * 1e-3);
 }
@@ -431,8 +433,12 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   cfg.attrs = attr;
   cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
   int sw = l.stage_warps;
-  cudaError_t e = p.dtype == EpDtype::kBF16 ? cudaLaunchKernelEx(&cfg, ep::combine_kernel<__nv_bfloat16>, p, sw)
-                                            : cudaLaunchKernelEx(&cfg, ep::combine_kernel<float>, p, sw);
+  const bool tr = p.trace > 0;
+  cudaError_t e = p.dtype == EpDtype::kBF16
+                      ? cudaLaunchKernelEx(&cfg, tr ? ep::combine_kernel<__nv_bfloat16, true>
+                                                    : ep::combine_kernel<__nv_bfloat16, false>, p, sw)
+                      : cudaLaunchKernelEx(&cfg, tr ? ep::combine_kernel<float, true> : ep::combine_kernel<float, false>,
+                                           p, sw);
   if (e != cudaSuccess) return e;
   return cudaGetLastError();
 }

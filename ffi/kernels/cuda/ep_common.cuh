@@ -141,7 +141,8 @@ struct EpTraceLog {
   float us[kMax];
   int n;
 };
-#define EP_TRACE_DECL EpTraceLog ep_tr_; ep_tr_.n = 0
+// `on`: a constant expression; false compiles every EP_TRACE / EP_TRACE_FLUSH of the kernel out (ep_trace_on_).
+#define EP_TRACE_DECL(on) constexpr bool ep_trace_on_ = (on); EpTraceLog ep_tr_; ep_tr_.n = 0
 // trace >= 1: the span of every kernel, from the first CTA's start to the last warp's end, kept in a ring in
 // EpScratch::kTraceSpan and printed 16 kernels at a time (a printf per kernel delayed the next kernel by ~15 us):
 // start (µs within the second of the GPU's global timer), span, and the gap since the previous kernel's end.
@@ -180,14 +181,14 @@ JE_DEVICE void trace_span_end(int trace, uint8_t* ws, int* sh_done, const char* 
 
 #define EP_TRACE(p, t0, what_, cond)                                                                          \
   do {                                                                                                       \
-    if ((p).trace > 1 && (blockIdx.x == 0 || static_cast<int>(blockIdx.x) == ((p).trace_cta >= 0 ? (p).trace_cta : static_cast<int>(gridDim.x) - 1)) && (cond) && ep_tr_.n < EpTraceLog::kMax) { \
+    if (ep_trace_on_ && (p).trace > 1 && (blockIdx.x == 0 || static_cast<int>(blockIdx.x) == ((p).trace_cta >= 0 ? (p).trace_cta : static_cast<int>(gridDim.x) - 1)) && (cond) && ep_tr_.n < EpTraceLog::kMax) { \
       ep_tr_.what[ep_tr_.n] = (what_);                                                                       \
       ep_tr_.us[ep_tr_.n++] = static_cast<float>(cuda::globaltimer_ns() - (t0)) * 1e-3f;                    \
     }                                                                                                        \
   } while (0)
 #define EP_TRACE_FLUSH(p, t0)                                                                                \
   do {                                                                                                       \
-    if ((p).trace > 1)                                                                                       \
+    if (ep_trace_on_ && (p).trace > 1)                                                                       \
       for (int i_ = 0; i_ < ep_tr_.n; ++i_)                                                                  \
         printf("EPTRACE %s rank %d cta %d warp %d: %.1f us (start %.1f)\n", ep_tr_.what[i_], (p).w.rank,      \
                (int)blockIdx.x, (int)(threadIdx.x >> 5), ep_tr_.us[i_], ((t0) % 1000000000ull) * 1e-3);        \

@@ -377,8 +377,9 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
 
 // kCe: copy-engine rows (p.ce_pieces > 0), with the receivers' layout of the peers' tokens. A template parameter so
 // that the SM-store kernel carries none of that code: sharing one kernel cost the 128-token dispatch ~3 us
-// (results/ep_diagnosis_2xh200.log section 20; more registers spilled).
-template <bool kCe>
+// (results/ep_diagnosis_2xh200.log section 20; more registers spilled). kTrace: the JAX_ENGRAM_EP_TRACE code
+// (p.trace > 0 launches that instantiation), ~1.9 k of the kernel's ~14 k instructions otherwise.
+template <bool kCe, bool kTrace>
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatchParams p, int SW) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint64_t sh_seq;
@@ -390,12 +391,13 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   const int R = p.w.nranks, me = p.w.rank;
   const int M = p.M, N = p.N, K = p.K, E = p.E, E_loc = E / R, RE = R + E;
   uint8_t* ws = p.w.ws_own;
-  EP_TRACE_DECL;
+  EP_TRACE_DECL(kTrace);
+  const int trace = kTrace ? p.trace : 0;
   cache_peer_bases(p);
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
     sh_seq = enter_seq(ws, EpWorkspace::kDispatchSeq, EpScratch::kDispatchArrive);
-    trace_span_begin(p.trace, ws, sh_t0);
+    trace_span_begin(trace, ws, sh_t0);
     sh_bad = ULLONG_MAX;
     sh_abort = 0;
     sh_next = 0;
@@ -676,7 +678,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
     if (tid == 0 && !iabort &&
-        staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq) && p.trace > 1)
+        staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::kDispatchReady, seq) && trace > 1)
       printf("EPTRACE dispatch ready published rank %d cta %d: %.1f us (start %.1f)\n", me, c,
              (cuda::globaltimer_ns() - sh_t0) * 1e-3, (sh_t0 % 1000000000ull) * 1e-3);
     bar_sync(2, blockDim.x);  // receive tables built by the pull warps
@@ -705,7 +707,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
         wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::kDispatchReady), seq, p.w, kOpEpDispatch, s);
     }
     EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
-    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+    trace_span_end(trace, ws, &sh_done, "dispatch", me);
     EP_TRACE_FLUSH(p, sh_t0);
     return;
   }
@@ -766,7 +768,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   bar_arrive(2, blockDim.x);
   EP_TRACE(p, sh_t0, "dispatch tables", ptid == 0);
   if (!ok) {
-    trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+    trace_span_end(trace, ws, &sh_done, "dispatch", me);
     return;
   }
 
@@ -795,7 +797,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
       const int j1 = ep_ce_piece_of(ce - 1 - t0, per, p.ce_pieces, p.ce_taper);
       for (int j = j0; j <= j1; ++j) {
         if (!wait_ce_piece(p, sl, s, j, seq, &ce_seen, lane)) return;
-        if (p.trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
+        if (trace > 1 && lane == 0 && (j == 0 || j == p.ce_pieces - 1)) {  // first warp of the CTA to see it
           const int bit = j == 0 ? 1 : 2;
           if (!(atomicOr(&sh_piece_seen, bit) & bit))
             EP_TRACE(p, sh_t0, j == 0 ? "dispatch ce piece 0 in" : "dispatch ce last piece in", true);
@@ -813,7 +815,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     }
   }
   EP_TRACE(p, sh_t0, "dispatch pulled", lane == 0 && (warp == SW || warp == nwarps - 1));
-  trace_span_end(p.trace, ws, &sh_done, "dispatch", me);
+  trace_span_end(trace, ws, &sh_done, "dispatch", me);
   EP_TRACE_FLUSH(p, sh_t0);
 }
 
@@ -1025,8 +1027,9 @@ cudaError_t launch_ep_dispatch(EpDispatchParams p, const EpLaunch& l, cudaStream
   p.chunk = p.ce_pieces ? ep_ce_chunks(tpc, l.stage_warps) : ep_dispatch_chunks(tpc, l.stage_warps);
   p.trace = ep_trace_level();
   p.trace_cta = ep_trace_cta();
-  return ep::launch(p.ce_pieces > 0 ? ep::dispatch_kernel<true> : ep::dispatch_kernel<false>, p, l,
-                    static_cast<int>(total), stream);
+  auto* kernel = p.ce_pieces > 0 ? (p.trace > 0 ? ep::dispatch_kernel<true, true> : ep::dispatch_kernel<true, false>)
+                                  : (p.trace > 0 ? ep::dispatch_kernel<false, true> : ep::dispatch_kernel<false, false>);
+  return ep::launch(kernel, p, l, static_cast<int>(total), stream);
 }
 
 cudaError_t launch_ep_dispatch_cached(EpDispatchParams p, const EpLaunch& l, cudaStream_t stream) {
