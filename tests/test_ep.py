@@ -122,3 +122,78 @@ def test_staging_bytes_mirror_the_layout_header(push):
                     for hb in (2, 256, 14336, 100):
                         want = mod.ep_combine_bytes(R, M, K, hb, push)
                         assert ep.combine_staging_bytes(R, M, K, hb, push=push) == want, (R, M, K, hb)
+
+
+# The CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h): the handler sizes its
+# copies and the kernels their waits with these, so any disagreement (a gap, an overlap, a wrong "piece of") would
+# let a receiver read rows that have not landed. Whole tables from the module's test hooks; the properties are the
+# ones both sides rely on.
+def _hooks():
+    from jax_engram import _ffi
+
+    return _ffi.native("cpu")
+
+
+def _check_cta_ranges(mod, M, G):
+    t0, t1, of, per = mod.ep_cta_table(M, G)
+    pos = 0
+    for c in range(G):
+        assert t0[c] == pos and pos <= t1[c] <= M and t1[c] - t0[c] <= per, (M, G, c, t0[c], t1[c], per)
+        pos = t1[c]
+    assert pos == M, (M, G, pos)  # every token in exactly one range, in order
+    for t in range(M):
+        assert t0[of[t]] <= t < t1[of[t]], (M, G, t, of[t])
+    assert (t1[0] == 0) == (G >= 2 and M <= 32 * G), (M, G)  # CTA 0 writes the header instead at small M
+
+
+def _check_chunks(mod, t0, length, nch):
+    b, of = mod.ep_chunk_table(t0, length, nch)
+    assert b[0] == t0 and b[nch] == t0 + length, (t0, length, nch, b)
+    sizes = [b[i + 1] - b[i] for i in range(nch)]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1, (length, nch, sizes)
+    for t in range(length):
+        assert b[of[t]] <= t0 + t < b[of[t] + 1], (t0, length, nch, t, of[t])
+
+
+def _check_pieces(mod, per, P, tau):
+    b, of = mod.ep_ce_piece_table(per, P, tau)
+    assert b[0] == 0 and b[P] == per, (per, P, tau, b)
+    assert all(b[j] <= b[j + 1] for j in range(P)), (per, P, tau, b)
+    for off in range(per):
+        j = of[off]
+        assert 0 <= j < P and b[j] <= off < b[j + 1], (per, P, tau, off, j, b)
+    if tau > 0:  # later pieces are not larger (up to one row of rounding)
+        sizes = [b[j + 1] - b[j] for j in range(P)]
+        assert all(sizes[j + 1] <= sizes[j] + 1 for j in range(P - 1)), (per, P, tau, sizes)
+
+
+def test_push_protocol_ranges_chunks_pieces_exhaustive_small():
+    mod = _hooks()
+    for G in (1, 2, 3, 24, 32):
+        for M in (1, 2, 31, 32, 33, 64, 128, 129, 1000):
+            _check_cta_ranges(mod, M, G)
+    for length in range(0, 40):
+        for nch in range(1, 13):
+            _check_chunks(mod, 5, length, nch)
+    for per in range(1, 80):
+        for P in range(1, 9):
+            cap = 99 // max(P - 1, 1)  # the handler's cap: every share stays positive
+            for tau in sorted({0, 1, min(20, cap), cap}):
+                _check_pieces(mod, per, P, tau)
+
+
+def test_push_protocol_ranges_chunks_pieces_property():
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+    mod = _hooks()
+
+    @hyp.settings(max_examples=300, deadline=None)
+    @hyp.given(M=st.integers(1, 8192), G=st.integers(1, 160), P=st.integers(1, 32), data=st.data())
+    def check(M, G, P, data):
+        _check_cta_ranges(mod, M, G)
+        per = mod.ep_cta_table(M, G)[3]
+        tau = data.draw(st.integers(0, 99 // max(P - 1, 1)), label="tau")  # the handler's cap
+        _check_pieces(mod, per, P, tau)
+        _check_chunks(mod, 0, per, data.draw(st.integers(1, 128), label="nch"))
+
+    check()

@@ -52,6 +52,26 @@ void bind_runtime(nb::module_& m, const char* platform) {
   m.def("ep_combine_bytes", [](int64_t R, int64_t M, int64_t K, int64_t hidden_bytes, bool push) {
     return EpCombineLayout::make(R, M, K, hidden_bytes, push).total_bytes();
   });
+  // Test hooks: the CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h), which the
+  // handler (copy sizes) and the kernels (waits, chunk words) must agree on; whole tables per call.
+  m.def("ep_cta_table", [](int M, int G) {  // ([t0 per CTA], [t1 per CTA], [CTA of token t], tokens per CTA)
+    std::vector<int> t0(G), t1(G), of(M);
+    for (int c = 0; c < G; ++c) ep_cta_tokens(M, G, c, &t0[c], &t1[c]);
+    for (int t = 0; t < M; ++t) of[t] = ep_cta_of_token(t, M, G);
+    return nb::make_tuple(t0, t1, of, ep_tokens_per_cta(M, G));
+  });
+  m.def("ep_chunk_table", [](int t0, int len, int nch) {  // ([begin of chunk li, li = 0..nch], [chunk of token])
+    std::vector<int> b(nch + 1), of(len);
+    for (int li = 0; li <= nch; ++li) b[li] = ep_chunk_begin(t0, len, nch, li);
+    for (int t = 0; t < len; ++t) of[t] = ep_chunk_of(t0 + t, t0, len, nch);
+    return nb::make_tuple(b, of);
+  });
+  m.def("ep_ce_piece_table", [](int per, int P, int tau) {  // ([begin of piece j, j = 0..P], [piece of offset])
+    std::vector<int> b(P + 1), of(per);
+    for (int j = 0; j <= P; ++j) b[j] = ep_ce_piece_begin(per, P, j, tau);
+    for (int off = 0; off < per; ++off) of[off] = ep_ce_piece_of(off, per, P, tau);
+    return nb::make_tuple(b, of);
+  });
   m.def("member_create",
         [](int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,
            const std::string& label) {

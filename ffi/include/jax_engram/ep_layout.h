@@ -157,6 +157,52 @@ struct EpInbox {
   JE_HD uint64_t scales() const { return align_up(x() + (uint64_t)(M * x_row), kEpAlign); }
   JE_HD uint64_t bytes() const { return align_up(scales() + (uint64_t)(M * sf_row), kEpAlign); }
 };
+// ----------------------------------------------------------------------------------------------------------
+// CUDA push protocol: the CTAs' token ranges, their push chunks and the copy-engine pieces. The host (handler: the
+// copies' sizes) and every kernel (waits, chunk words) must agree on them exactly; tests/test_ep.py checks them
+// through the module's test hooks.
+// Token ranges of the dispatch CTAs (full and cached dispatch, both ranks' view of one call: from M and G only).
+// With few tokens per CTA (M <= 32 G) CTA 0 gets none: it also computes the totals and writes the header, and at
+// 128 tokens its own rows went out ~10 us after the other CTAs' (2xH200 trace), last on every receiver's path.
+JE_HD int ep_first_token_cta(int64_t M, int G) { return G >= 2 && M <= 32 * static_cast<int64_t>(G) ? 1 : 0; }
+JE_HD int ep_tokens_per_cta(int64_t M, int G) {
+  const int n = G - ep_first_token_cta(M, G);
+  return static_cast<int>((M + n - 1) / n);
+}
+// [t0, t1) of CTA c (empty for a CTA without tokens).
+JE_HD void ep_cta_tokens(int M, int G, int c, int* t0, int* t1) {
+  const int f = ep_first_token_cta(M, G), per = ep_tokens_per_cta(M, G);
+  const int64_t b = c < f ? 0 : static_cast<int64_t>(c - f) * per;
+  *t0 = static_cast<int>(b < M ? b : M);
+  *t1 = c < f ? *t0 : static_cast<int>(b + per < M ? b + per : M);
+}
+// The CTA whose range holds token t (0 <= t < M).
+JE_HD int ep_cta_of_token(int t, int M, int G) { return ep_first_token_cta(M, G) + t / ep_tokens_per_cta(M, G); }
+
+// First token of chunk li of the range [t0, t0 + len) cut into nch chunks (li = nch: the range's end).
+JE_HD int ep_chunk_begin(int t0, int len, int nch, int li) {
+  return t0 + static_cast<int>(static_cast<int64_t>(li) * len / nch);
+}
+// The chunk holding token t of that range (t0 <= t < t0 + len): the largest li with ep_chunk_begin(li) <= t.
+JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
+  return static_cast<int>((static_cast<int64_t>(t - t0 + 1) * nch + len - 1) / len) - 1;
+}
+
+// Taper tau (JAX_ENGRAM_EP_CE_TAPER, 0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
+// later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
+// of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the
+// kernel's waits must agree exactly.
+JE_HD int ep_ce_piece_begin(int per, int P, int j, int tau = 0) {
+  return static_cast<int>(static_cast<int64_t>(per) * j * (100 + tau * (P - j)) / (100 * static_cast<int64_t>(P)));
+}
+// The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
+JE_HD int ep_ce_piece_of(int off, int per, int P, int tau = 0) {
+  if (tau == 0) return static_cast<int>((static_cast<int64_t>(off + 1) * P - 1) / per);
+  int j = 0;
+  while (j < P - 1 && ep_ce_piece_begin(per, P, j + 1, tau) <= off) ++j;
+  return j;
+}
+
 struct EpDispatchLayout {
   int64_t R, M, K, E, x_row, sf_row;
   bool push;

@@ -153,33 +153,6 @@ inline int32_t ep_dispatch_chunks(int64_t per_cta, int64_t stage_warps) {
   if (m32 > m) m = m32;
   return static_cast<int32_t>(m * stage_warps);
 }
-// First token of chunk li of the range [t0, t0 + len) cut into nch chunks (li = nch: the range's end).
-// Token ranges of the dispatch CTAs (full and cached dispatch, both ranks' view of one call: from M and G only).
-// With few tokens per CTA (M <= 32 G) CTA 0 gets none: it also computes the totals and writes the header, and at
-// 128 tokens its own rows went out ~10 us after the other CTAs' (2xH200 trace), last on every receiver's path.
-JE_HD int ep_first_token_cta(int64_t M, int G) { return G >= 2 && M <= 32 * static_cast<int64_t>(G) ? 1 : 0; }
-JE_HD int ep_tokens_per_cta(int64_t M, int G) {
-  const int n = G - ep_first_token_cta(M, G);
-  return static_cast<int>((M + n - 1) / n);
-}
-// [t0, t1) of CTA c (empty for a CTA without tokens).
-JE_HD void ep_cta_tokens(int M, int G, int c, int* t0, int* t1) {
-  const int f = ep_first_token_cta(M, G), per = ep_tokens_per_cta(M, G);
-  const int64_t b = c < f ? 0 : static_cast<int64_t>(c - f) * per;
-  *t0 = static_cast<int>(b < M ? b : M);
-  *t1 = c < f ? *t0 : static_cast<int>(b + per < M ? b + per : M);
-}
-// The CTA whose range holds token t (0 <= t < M).
-JE_HD int ep_cta_of_token(int t, int M, int G) { return ep_first_token_cta(M, G) + t / ep_tokens_per_cta(M, G); }
-
-JE_HD int ep_chunk_begin(int t0, int len, int nch, int li) {
-  return t0 + static_cast<int>(static_cast<int64_t>(li) * len / nch);
-}
-// The chunk holding token t of that range (t0 <= t < t0 + len): the largest li with ep_chunk_begin(li) <= t.
-JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
-  return static_cast<int>((static_cast<int64_t>(t - t0 + 1) * nch + len - 1) / len) - 1;
-}
-
 // Copy-engine rows. The copy engine reaches ~390 GB/s per direction over NVLink where SM and TMA stores stop at
 // ~345 (benchmarks/probe_nvlink.cu, results/probe_tma_2xh200.log), but it cannot follow the layout: its sizes are
 // fixed when the handler enqueues it. The inbox is indexed by token, so it does not need to: when (almost) every
@@ -199,20 +172,7 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 // pieces: 215.5 vs 221.1 us per dispatch (12 interleaved rounds) and 222.2 vs 226.5 (5 rounds, another machine),
 // results/ep_diagnosis_2xh200.log sections 21e, 22.
 inline constexpr int kEpCeTaper = 20;
-// Taper tau (JAX_ENGRAM_EP_CE_TAPER, 0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
-// later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
-// of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the
-// kernel's waits must agree exactly.
-JE_HD int ep_ce_piece_begin(int per, int P, int j, int tau = 0) {
-  return static_cast<int>(static_cast<int64_t>(per) * j * (100 + tau * (P - j)) / (100 * static_cast<int64_t>(P)));
-}
-// The piece holding range offset off (0 <= off < per): the smallest j with ep_ce_piece_begin(j + 1) > off.
-JE_HD int ep_ce_piece_of(int off, int per, int P, int tau = 0) {
-  if (tau == 0) return static_cast<int>((static_cast<int64_t>(off + 1) * P - 1) / per);
-  int j = 0;
-  while (j < P - 1 && ep_ce_piece_begin(per, P, j + 1, tau) <= off) ++j;
-  return j;
-}
+// The pieces' bounds: ep_ce_piece_begin / ep_ce_piece_of (jax_engram/ep_layout.h).
 // Chunks per CTA with copy-engine rows: the stage warps only push routing rows, so chunks are small (~2 tokens):
 // a chunk is also the pull warps' unit of work, and after the last piece lands each CTA's share of it must spread
 // over all of its pull warps. A multiple of stage_warps.
