@@ -183,12 +183,12 @@ def test_push_protocol_ranges_chunks_pieces_exhaustive_small():
 
 
 def test_push_protocol_ranges_chunks_pieces_property():
-    hyp = pytest.importorskip("hypothesis")
-    st = hyp.strategies
+    from hypothesis import given, settings, strategies as st  # a test dependency (pyproject, run.sh)
+
     mod = _hooks()
 
-    @hyp.settings(max_examples=300, deadline=None)
-    @hyp.given(M=st.integers(1, 8192), G=st.integers(1, 160), P=st.integers(1, 32), data=st.data())
+    @settings(max_examples=300, deadline=None)
+    @given(M=st.integers(1, 8192), G=st.integers(1, 160), P=st.integers(1, 32), data=st.data())
     def check(M, G, P, data):
         _check_cta_ranges(mod, M, G)
         per = mod.ep_cta_table(M, G)[3]
