@@ -12,7 +12,7 @@
 //                               ce_pieces_for below, 0 = never (SM stores), 1 = whenever the hardware allows it
 //   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 4, 1..32)
 //   JAX_ENGRAM_EP_CE_STREAMS    copy streams the pieces go round (default 1, at most 4)
-//   JAX_ENGRAM_EP_CE_TAPER      later pieces smaller (ep.h ep_ce_piece_begin; default kEpCeTaper, 0 = equal pieces)
+//   JAX_ENGRAM_EP_CE_TAPER      later pieces smaller (ep_layout.h ep_ce_piece_begin; default kEpCeTaper, 0 = equal)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -324,7 +324,7 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
   p.recv_w = sh.has_w ? static_cast<float*>(recv_topk_weights.untyped_data()) : nullptr;
   p.token_out = static_cast<int32_t*>(token_out.untyped_data());
   p.ce_pieces = ce;
-  // shrinking pieces, capped where the last one would vanish
+  // shrinking pieces; tau (P - 1) <= 99 keeps every share positive (tests/test_ep.py)
   p.ce_taper = ce > 1 ? env_int("JAX_ENGRAM_EP_CE_TAPER", std::min(kEpCeTaper, 99 / (ce - 1)), 0, 99 / (ce - 1)) : 0;
   return ffi::Error::Success();
 }
