@@ -98,13 +98,15 @@ class Context:
     """A jax_engram communication context over one mesh axis. Create with :func:`jax_engram.init`."""
 
     def __init__(self, mesh, axis_name: str, *, device_bytes: int | None, host_bytes: int | None,
-                 timeout_s: float):
+                 timeout_s: float, cuda_graphs: bool = False):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"jax_engram.init: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"jax_engram.init: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(cuda_graphs, (bool, np.bool_)):
+            raise ValueError(f"jax_engram.init: cuda_graphs must be a bool, got {cuda_graphs!r}")
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
             if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
                 raise ValueError(f"jax_engram.init: {name} must be None or a non-negative int, got {v!r}")
@@ -116,6 +118,7 @@ class Context:
         self.mesh = mesh
         self.axis_name = axis_name
         self.timeout_s = float(timeout_s)
+        self.cuda_graphs = bool(cuda_graphs)
         self.device_bytes = None if device_bytes is None else int(device_bytes)
         self.host_bytes = None if host_bytes is None else int(host_bytes)
         self.num_ranks = int(mesh.shape[axis_name])
@@ -292,6 +295,14 @@ class Context:
                                                       int(num_experts), int(hidden_bytes), bool(expand))
         return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
 
+    def graph_captures(self) -> int:
+        """EP calls that XLA captured into CUDA graphs on this process's members (``cuda_graphs=True``; each
+        capture counts once, however often the graph is replayed). 0 on CPU. For tests and diagnosis."""
+        self._check_open()
+        if self.platform == "cpu":
+            return 0
+        return sum(max(0, int(self._native.ep_graph_captures(self.id, m.ordinal))) for m in self._created)
+
     def errors(self) -> list[dict]:
         return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]
 
@@ -304,10 +315,18 @@ class Context:
         self._created = []
 
     def close(self) -> None:
-        """Collective: wait for this context's device work, then free its windows and communicators."""
+        """Collective: wait for this context's device work, then free its windows and communicators.
+
+        With ``cuda_graphs=True`` it also clears JAX's compilation caches (``jax.clear_caches()``): a CUDA graph
+        replays its kernels without running any handler, so an executable that captured this context's ops would
+        otherwise reach its freed windows; after the clear, calling such a function again retraces it and fails
+        with "context is closed". (An executable the caller holds, e.g. from ``.lower().compile()``, is not
+        covered: do not call it after close.)"""
         if self._closed:
             return
         self._closed = True
+        if self.cuda_graphs and self.platform != "cpu":
+            jax.clear_caches()
         for m in self.members:
             self._native.member_destroy(self.id, m.ordinal)
         self._created = []
@@ -336,7 +355,7 @@ class Context:
                               for m in self.members],
             "window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
                        "host_segment_bytes": _align(self.host_bytes or 0)},
-            "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts,
+            "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts, "cuda_graphs": self.cuda_graphs,
         }
         if self.nccl:
             d["nccl"] = self.nccl
@@ -344,14 +363,22 @@ class Context:
 
 
 def init(mesh, axis_name: str, *, device_bytes: int | None = None, host_bytes: int | None = None,
-         timeout_s: float = 100.0) -> Context:
+         timeout_s: float = 100.0, cuda_graphs: bool = False) -> Context:
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 
     device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
     segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
     segment of its own when first needed. timeout_s bounds every wait of every op of this context.
+
+    cuda_graphs (CUDA): let XLA capture the EP ops (dispatch, cached dispatch, combine) into the CUDA graphs it
+    builds around them (command buffers), so a jitted step with many small kernels is not cut in pieces at every
+    EP op. Dispatches that move rows with the copy engine (large batches, see ``Context.dispatch_path``) stay
+    outside graphs. The trade-off: a replayed op runs no host code, so an error its kernel finds on the device
+    (a timeout, bad routing) is raised by ``ctx.check()`` or by the next op of the context that is not replayed,
+    not by the op itself; call ``ctx.check()`` where you need to know. No effect on CPU.
     """
-    return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s)
+    return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s,
+                   cuda_graphs=cuda_graphs)
 
 
 def live_contexts() -> list[Context]:

@@ -243,12 +243,28 @@ def _is(dtype, choices) -> bool:
     return any(np.dtype(dtype) == np.dtype(c) for c in choices)
 
 
-def _dispatch_region(cfg: _Config, hidden: int, dtype, num_scales: int):
+def _graph_lane(cfg: _Config, hidden: int, dtype) -> bool:
+    """Whether this dispatch config runs on the graph targets (dispatch lane 1, ep_layout.h): the context asks
+    for CUDA graphs and the config moves rows by SM stores (copy-engine rows need the handler on every call).
+    Decided at trace time; the region key carries it, so a region never serves both lanes."""
+    ctx = cfg.ctx
+    if not ctx.cuda_graphs or ctx.platform == "cpu":
+        return False
+    path = ctx.dispatch_path(max_tokens_per_rank=cfg.max_tokens_per_rank, hidden_bytes=hidden * np.dtype(dtype).itemsize,
+                             topk=cfg.topk, num_experts=cfg.num_experts, expand=cfg.expand)
+    return path == "SM stores"
+
+
+def _target(base: str, graph: bool) -> str:
+    return base + "_graph" if graph else base
+
+
+def _dispatch_region(cfg: _Config, hidden: int, dtype, num_scales: int, graph: bool = False):
     R, M, K, E = cfg.num_ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.num_experts
     nbytes = dispatch_staging_bytes(R, M, K, E, hidden * np.dtype(dtype).itemsize, num_scales,
                                     push=cfg.ctx.platform != "cpu")
-    return cfg.ctx.region(nbytes, "device", key=("ep_dispatch", R, M, hidden, np.dtype(dtype).name, num_scales, K, E),
-                          what="EP dispatch buffer")
+    key = ("ep_dispatch", R, M, hidden, np.dtype(dtype).name, num_scales, K, E, "lane1" if graph else "lane0")
+    return cfg.ctx.region(nbytes, "device", key=key, what="EP dispatch buffer")
 
 
 def _combine_region(cfg: _Config, hidden: int, dtype):
@@ -264,7 +280,8 @@ def _dispatch_raw(cfg: _Config, zero_padding: bool, x, w, sf, topk_idx, token):
     N, H = x.shape
     K, R, E_loc, rows, rt = cfg.topk, cfg.num_ranks, cfg.num_local_experts, cfg.rows, cfg.token_rows
     P = sf.shape[1]
-    region = _dispatch_region(cfg, H, x.dtype, P)
+    graph = _graph_lane(cfg, H, x.dtype)
+    region = _dispatch_region(cfg, H, x.dtype, P, graph)
     i32, f32 = jnp.int32, jnp.float32
     has_w = w.shape[1] != 0
     results = [
@@ -281,7 +298,7 @@ def _dispatch_raw(cfg: _Config, zero_padding: bool, x, w, sf, topk_idx, token):
         _call.like(x, (E_loc,), i32),                                     # group_sizes
         _call.like(x, (), token.dtype),                                   # token_out
     ]
-    return _call.call(ctx, "jax_engram_ep_dispatch", results, x, sf, topk_idx, w, token,
+    return _call.call(ctx, _target("jax_engram_ep_dispatch", graph), results, x, sf, topk_idx, w, token,
                       alloc_id=region.alloc_id, offset=region.offset, expert_alignment=cfg.expert_alignment,
                       zero_padding=int(zero_padding), **cfg.attrs())
 
@@ -291,7 +308,8 @@ def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psu
     N, H = x.shape
     K, rows, rt = cfg.topk, cfg.rows, cfg.token_rows
     P = sf.shape[1]
-    region = _dispatch_region(cfg, H, x.dtype, P)
+    graph = _graph_lane(cfg, H, x.dtype)
+    region = _dispatch_region(cfg, H, x.dtype, P, graph)
     has_w = w.shape[1] != 0
     results = [
         _call.like(x, (rows, H)),
@@ -299,7 +317,7 @@ def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psu
         _call.like(x, ((rows,) if cfg.expand else (rt, K)) if has_w else (0,), jnp.float32),
         _call.like(x, (), token.dtype),
     ]
-    return _call.call(cfg.ctx, "jax_engram_ep_dispatch_cached", results, x, sf, w, meta, psum_rank, psum_expert,
+    return _call.call(cfg.ctx, _target("jax_engram_ep_dispatch_cached", graph), results, x, sf, w, meta, psum_rank, psum_expert,
                       unaligned, dst_row, token, alloc_id=region.alloc_id, offset=region.offset,
                       expert_alignment=cfg.expert_alignment, zero_padding=int(zero_padding), **cfg.attrs())
 
@@ -314,7 +332,8 @@ def _combine_raw(cfg: _Config, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
         _call.like(y, (N, K if has_w else 0), jnp.float32),
         _call.like(y, (), token.dtype),
     ]
-    return _call.call(cfg.ctx, "jax_engram_ep_combine", results, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
+    graph = cfg.ctx.cuda_graphs and cfg.ctx.platform != "cpu"
+    return _call.call(cfg.ctx, _target("jax_engram_ep_combine", graph), results, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
                       token, alloc_id=region.alloc_id, offset=region.offset, **cfg.attrs())
 
 

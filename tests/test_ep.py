@@ -41,18 +41,19 @@ def _run_single(extra_args=(), env=None, timeout=600):
 
 
 def test_two_processes_all_cases_grads_errors(launch, ref_dir):
-    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,errors", "--ref-dir", ref_dir),
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,lanes,errors", "--ref-dir", ref_dir),
                  platform="cpu", timeout=900)
     assert len(res) == 2 and all(r["devices"] == 2 and r["processes"] == 2 for r in res)
     _assert_all_pass(res, min_checks=25)
     for name in ("case_expand_e8_k8_a128_zp_unbal_bias2", "case_nonexpand_e64_k1_fp8_p1_bias2",
                  "case_expand_h7168_k8_bias2", "jit_cache_hit_when_token_count_changes", "moe_grad_bfloat16",
-                 "grad_nonexpand_dispatch_combine", "error_duplicate_expert_names_token"):
+                 "grad_nonexpand_dispatch_combine", "lanes_interleaved", "error_duplicate_expert_names_token",
+                 "error_init_cuda_graphs_not_bool"):
         assert name in res[0]["checks"], name
 
 
 def test_four_processes(launch, ref_dir):
-    res = launch(4, WORKER, args=("--suite", "cases,cache", "--wide-only", "--ref-dir", ref_dir), platform="cpu",
+    res = launch(4, WORKER, args=("--suite", "cases,cache,lanes", "--wide-only", "--ref-dir", ref_dir), platform="cpu",
                  timeout=900)
     assert len(res) == 4 and all(r["devices"] == 4 for r in res)
     _assert_all_pass(res, min_checks=6)
@@ -103,6 +104,36 @@ def test_two_processes_one_gpu_each_copy_engine_rows(launch):
                  env=_CE_ENV)
     assert all(r["dispatch_path"] == "copy engine (3 pieces)" for r in res), [r["dispatch_path"] for r in res]
     _assert_all_pass(res, min_checks=33)  # cases 10, cache 1, gradne 1, grad 2, errors 19
+
+
+def test_cuda_graphs_flag_is_a_no_op_on_cpu():
+    # cuda_graphs=True only changes which CUDA targets the ops call; on CPU the same results, nothing captured
+    res = _run_single(["--platform", "cpu", "--cpu-devices", "2", "--suite", "quick,lanes", "--cuda-graphs"],
+                      env={"JAX_PLATFORMS": "cpu"})
+    _assert_all_pass(res, min_checks=2)
+    assert res[0]["graph_captures"] == 0
+
+
+# CUDA graphs (Context cuda_graphs=True): with a graph-size threshold of 1 XLA captures every EP op it may (the SM-store
+# dispatches, cached dispatches and combines) into CUDA graphs and replays them without their handlers; the lanes
+# suite interleaves them with copy-engine dispatches, which stay outside (ep_layout.h "dispatch lanes").
+_GRAPH_ENV = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()}
+_GRAPH_SUITES = "cases,cache,gradne,grad,lanes,errors"
+
+
+@pytest.mark.gpu(2)
+def test_two_gpus_one_process_cuda_graphs():
+    res = _run_single(["--platform", "gpu", "--suite", _GRAPH_SUITES, "--cuda-graphs"], env=_GRAPH_ENV)
+    _assert_all_pass(res, min_checks=34)
+    assert res[0]["graph_captures"] > 0, res[0]
+
+
+@pytest.mark.gpu(2)
+def test_two_processes_one_gpu_each_cuda_graphs(launch):
+    res = launch(2, WORKER, args=("--suite", _GRAPH_SUITES, "--cuda-graphs"), platform="cuda", timeout=900,
+                 env=_GRAPH_ENV)
+    _assert_all_pass(res, min_checks=34)
+    assert all(r["graph_captures"] > 0 for r in res), [r["graph_captures"] for r in res]
 
 
 @pytest.mark.parametrize("push", [False, True])

@@ -13,6 +13,15 @@
 //   JAX_ENGRAM_EP_CE_PIECES     pieces of the copy-engine rows (default 4, 1..32)
 //   JAX_ENGRAM_EP_CE_STREAMS    copy streams the pieces go round (default 1, at most 4)
 //   JAX_ENGRAM_EP_CE_TAPER      later pieces smaller (ep_layout.h ep_ce_piece_begin; default kEpCeTaper, 0 = equal)
+// Knobs are read when the handler runs: for the graph targets below that is when XLA captures the call.
+//
+// Every op has two targets: "jax_engram_ep_<op>" and "jax_engram_ep_<op>_graph" (Context cuda_graphs=True), the
+// same code, the latter marked command-buffer compatible so that XLA may capture it into a CUDA graph and replay it
+// without running the handler. Graph-target dispatches therefore keep no per-call host state: they run in
+// dispatch lane 1 (ep_layout.h), whose sequence lives on the device only, and never use copy-engine rows (the copy
+// streams' inbox half and flag values come from the host's count of lane-0 calls). Errors a replayed kernel finds
+// are recorded as always; with no handler run to report them they surface at ctx.check() or at the next op of the
+// context that runs its handler.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -44,6 +53,21 @@ using namespace validate;
 
 ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
   return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
+}
+
+// Graph targets: counts the calls XLA captures into a CUDA graph (CudaMemberState::graph_captures: the tests'
+// proof that capture happened). Other targets: refuses capture, which would replay the host's copy-engine decisions
+// and counts (XLA never captures a target without the trait; this guards against anything else capturing).
+ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32_t op) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &cs);
+  if (e != cudaSuccess) return cuda_failure(op, "cudaStreamIsCapturing", e);
+  if (cs != cudaStreamCaptureStatusActive) return ffi::Error::Success();
+  if (!graph_target)
+    return op_error(op, "this call is being captured into a CUDA graph, but only the graph targets (Context "
+                        "cuda_graphs=True) may be", ffi::ErrorCode::kFailedPrecondition);
+  cuda_state(m).graph_captures.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
 }
 
 constexpr int kDefaultSms = 24;  // the SM budget the kernels are tuned for (DeepEP's 24-SM configuration)
@@ -241,12 +265,21 @@ void ce_trace_drain(CeTrace& t, const Member& m) {
 }
 
 // Launches one dispatch-type kernel, with copy-engine rows when p.ce_pieces > 0, and counts it (the host's count is
-// the device's sequence number: see CudaMemberState::ep_dispatch_calls).
+// the device's lane-0 sequence number: see CudaMemberState::ep_dispatch_calls).
+// Graph targets (lane 1): no count, no copy-engine rows; the launch alone.
 template <typename Launch>
 ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
-                                   cudaStream_t stream, Launch launch, const char* what) {
+                                   cudaStream_t stream, Launch launch, const char* what, bool graph) {
   constexpr int32_t op = kOpEpDispatch;
   CudaMemberState& st = cuda_state(m);
+  JE_CHECK(note_capture(m, stream, graph, op));
+  if (graph) {
+    p.lane = 1;
+    p.ce_pieces = 0;
+    p.ce_seq = 0;
+    const cudaError_t e = launch(p, l, stream);
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_failure(op, what, e);
+  }
   std::lock_guard<std::mutex> lock(st.ep_mu);
   const auto h0 = std::chrono::steady_clock::now();
   CeTrace* tr = p.ce_pieces > 0 && ep_trace_level() >= 1 ? &ce_trace(m) : nullptr;
@@ -295,11 +328,11 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
                             const ffi::AnyBuffer& topk_weights, const ffi::AnyBuffer& token,
                             const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_x_scales,
                             const ffi::AnyBuffer& recv_topk_weights, const ffi::AnyBuffer& token_out, bool cached,
-                            DispatchLaunch* d) {
+                            bool graph, DispatchLaunch* d) {
   const Common& c = sh.c;
   const auto L = EpDispatchLayout::make(c.R, c.M, sh.K, c.E, sh.row_bytes, sh.P, /*push=*/true);
   JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &d->a));
-  const int ce = m.backend_state ? ce_pieces_for(cuda_state(m), c.R, c.M, sh.K, c.E, sh.row_bytes) : 0;
+  const int ce = m.backend_state && !graph ? ce_pieces_for(cuda_state(m), c.R, c.M, sh.K, c.E, sh.row_bytes) : 0;
   d->l = launch_shape(m, num_sms, ce ? (cached ? 4 : 1) : 6);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
   EpDispatchParams& p = d->p;
@@ -329,6 +362,7 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
   return ffi::Error::Success();
 }
 
+template <bool kGraph>
 ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
                           ffi::AnyBuffer topk_idx, ffi::AnyBuffer topk_weights, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
@@ -353,7 +387,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
                             x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                            false, &d));
+                            false, kGraph, &d));
   if (ep_dispatch_smem_bytes(sh.c.R, sh.c.E, d.p.ce_pieces > 0, nullptr, nullptr) < 0)
     return op_error(op, "ranks + experts = " + std::to_string(sh.c.R + sh.c.E) +
                             " is too large for the layout kernel");
@@ -367,9 +401,10 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   p.dst_row = static_cast<int32_t*>(dst_row->untyped_data());
   p.num_recv = static_cast<int32_t*>(num_recv_tokens->untyped_data());
   p.group_sizes = static_cast<int32_t*>(group_sizes->untyped_data());
-  return launch_dispatch_counted(m, *d.a, p, d.l, stream, launch_ep_dispatch, "launching the dispatch kernel");
+  return launch_dispatch_counted(m, *d.a, p, d.l, stream, launch_ep_dispatch, "launching the dispatch kernel", kGraph);
 }
 
+template <bool kGraph>
 ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
                                 ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src_metadata,
                                 ffi::AnyBuffer psum_rank, ffi::AnyBuffer psum_expert, ffi::AnyBuffer unaligned,
@@ -391,7 +426,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, alloc_id, offset, num_sms, expand, expert_alignment, zero_padding, x,
                             x_scales, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                            true, &d));
+                            true, kGraph, &d));
   EpDispatchParams& p = d.p;
   p.h_meta = static_cast<const int32_t*>(recv_src_metadata.untyped_data());
   p.h_psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
@@ -399,9 +434,10 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   p.h_unaligned = static_cast<const int32_t*>(unaligned.untyped_data());
   p.h_dst_row = static_cast<const int32_t*>(dst_row.untyped_data());
   return launch_dispatch_counted(m, *d.a, p, d.l, stream, launch_ep_dispatch_cached,
-                                 "launching the cached dispatch kernel");
+                                 "launching the cached dispatch kernel", kGraph);
 }
 
+template <bool kGraph>
 ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
                          ffi::AnyBuffer bias0, ffi::AnyBuffer bias1, ffi::AnyBuffer recv_src_metadata,
                          ffi::AnyBuffer dst_row, ffi::AnyBuffer topk_idx, ffi::AnyBuffer psum_rank,
@@ -430,6 +466,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
+  JE_CHECK(note_capture(m, stream, kGraph, op));
   EpCombineParams p;
   JE_CHECK(make_window(m, *a, offset, op, &p.w));
   p.L = L;
@@ -467,20 +504,36 @@ int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t 
   return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes);
 }
 
+int64_t ep_graph_captures(int64_t ctx_id, int32_t ordinal) {
+  MemberScope s(ctx_id, ordinal, kOpEpDispatch);
+  if (!s.ok() || !s->backend_state) return -1;
+  return static_cast<int64_t>(cuda_state(s.member()).graph_captures.load(std::memory_order_relaxed));
+}
+
 // Context arguments of every handler here: XLA's stream and the device ordinal.
 inline auto cuda_context() {
   return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCuda, EpDispatchCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCuda, EpDispatchCuda<false>,
                               bind_ep_dispatch(cuda_context()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedCuda, EpDispatchCachedCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedCuda, EpDispatchCachedCuda<false>,
                               bind_ep_dispatch_cached(cuda_context()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCuda, EpCombineCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCuda, EpCombineCuda<false>,
                               bind_ep_combine(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchGraphCuda, EpDispatchCuda<true>,
+                              bind_ep_dispatch(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedGraphCuda, EpDispatchCachedCuda<true>,
+                              bind_ep_dispatch_cached(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineGraphCuda, EpCombineCuda<true>,
+                              bind_ep_combine(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCuda));
+static HandlerRegistrar reg_dispatch_g("jax_engram_ep_dispatch_graph", reinterpret_cast<void*>(JeEpDispatchGraphCuda));
+static HandlerRegistrar reg_cached_g("jax_engram_ep_dispatch_cached_graph",
+                                     reinterpret_cast<void*>(JeEpDispatchCachedGraphCuda));
+static HandlerRegistrar reg_combine_g("jax_engram_ep_combine_graph", reinterpret_cast<void*>(JeEpCombineGraphCuda));
 
 }  // namespace jax_engram

@@ -9,4 +9,7 @@ namespace jax_engram {
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
                             bool expand);
 
+// EP graph-target calls XLA captured into a CUDA graph on member (ctx_id, ordinal); -1 = no such member.
+int64_t ep_graph_captures(int64_t ctx_id, int32_t ordinal);
+
 }  // namespace jax_engram

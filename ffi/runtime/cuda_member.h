@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,15 +21,17 @@ struct CudaMemberState {
   cudaStream_t side_stream = nullptr;    // non-blocking; also used for allocation zero-fill
   cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
   // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy streams (the pieces go round the first
-  // JAX_ENGRAM_EP_CE_STREAMS of them, default one: ce_streams), the fork (XLA's stream -> copy streams) and join events, and the host's count of dispatch-type calls on this member (the device's
-  // sequence number of the next one is ep_dispatch_calls + 1 as long as every such call launches its kernel: the
-  // kernel checks).
+  // JAX_ENGRAM_EP_CE_STREAMS of them, default one: ce_streams), the fork (XLA's stream -> copy streams) and join
+  // events, and the host's count of lane-0 dispatch-type calls on this member (ep_layout.h "dispatch lanes"; the
+  // device's sequence number of the next one is ep_dispatch_calls + 1 as long as every such call launches its
+  // kernel: the kernel checks). Graph-target calls (lane 1) are not counted: XLA replays them without the handler.
   static constexpr int kEpCopyStreams = 4;
   cudaStream_t ep_copy_streams[kEpCopyStreams] = {};
   cudaEvent_t ep_fork = nullptr;
   cudaEvent_t ep_joins[kEpCopyStreams] = {};
   uint64_t ep_dispatch_calls = 0;
   std::mutex ep_mu;                      // one dispatch handler at a time on a member: counter, events, copies
+  std::atomic<uint64_t> graph_captures{0};  // EP graph-target calls captured into a CUDA graph (handlers/cuda_ep.cc)
   bool stream_mem_ops = false;           // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS and the entry point
   void* error_alloc = nullptr;           // cudaHostAlloc(Mapped) block holding the ErrorRecord
 

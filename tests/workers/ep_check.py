@@ -2,7 +2,9 @@
 
 Standalone (one process over all local devices):   python tests/workers/ep_check.py [--platform cpu --cpu-devices 4]
 Under the launcher:                                python -m jax_engram.launch -n 2 [--platform cuda] tests/workers/ep_check.py
-Options: --suite full|quick|grad|errors|cache|example (comma-separated), --cases SUBSTR (filter case names).
+Options: --suite full|quick|grad|errors|cache|lanes|example (comma-separated), --cases SUBSTR (filter case names),
+--cuda-graphs (the context's cuda_graphs=True; with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 XLA captures every EP
+op it may into a CUDA graph, and the RESULT line reports how many were captured).
 Prints `CHECK <name> PASS|FAIL <detail>` lines and one `RESULT <json>` line ({"checks": {name: bool}, ...}).
 
 Every case runs, in one jitted shard_map: dispatch -> cached dispatch (new x / weights, handle of the first)
@@ -27,6 +29,7 @@ ap.add_argument("--cpu-devices", type=int, default=4)
 ap.add_argument("--suite", default="full")
 ap.add_argument("--cases", default="")
 ap.add_argument("--timeout", type=float, default=120.0)
+ap.add_argument("--cuda-graphs", action="store_true", help="create the context with cuda_graphs=True")
 ap.add_argument("--wide-only", action="store_true", help="only the cases marked wide (for 4+ ranks)")
 ap.add_argument("--ref-dir", default="", help="share reference results between processes / runs (process 0 "
                 "computes, the others wait for its files); default: every process computes its own")
@@ -392,6 +395,72 @@ def _cache_check(ctx):
     return ok, f"traces={len(traces)} cache={f._cache_size()} counts={counts}"
 
 
+def suite_lanes(ctx):
+    check("lanes_interleaved", lambda: _lanes_check(ctx))
+
+
+def _lanes_check(ctx):
+    """Two configs interleaved in one jitted loop: a large one (on 2 GPUs the auto policy moves its rows with the
+    copy engine: dispatch lane 0, host-counted) and a small one (SM stores: with cuda_graphs, the graph targets and
+    lane 1, replayed without the handler). Each lane's sequence must stay whole whatever the other does (ep_layout.h
+    "dispatch lanes"). Checked: combine(dispatch(x)) and combine(cached dispatch(x2)) against numpy, every iteration's
+    result kept."""
+    rng = np.random.default_rng(11)
+    cfgs = {"big": dict(M=320, H=7168, E=32 * R, K=8), "small": dict(M=16, H=128, E=4 * R, K=4)}
+    data = {}
+    for name, c in cfgs.items():
+        idx = np.stack([np.stack([rng.permutation(c["E"])[:c["K"]] for _ in range(c["M"])]) for _ in range(R)])
+        idx = idx.astype(np.int32)
+        idx[rng.random(idx.shape) < 0.1] = -1
+        x = rng.standard_normal((R, c["M"], c["H"])).astype(jnp.bfloat16)
+        data[name] = (x, idx)
+    iters = 3
+
+    def body(xb, ib, xs, i_s):
+        xb, ib, xs, i_s = xb[0], ib[0], xs[0], i_s[0]
+        kb = dict(ctx=ctx, num_experts=cfgs["big"]["E"], max_tokens_per_rank=cfgs["big"]["M"])
+        ks = dict(ctx=ctx, num_experts=cfgs["small"]["E"], max_tokens_per_rank=cfgs["small"]["M"])
+
+        def step(i, carry):
+            tok, ob, os1, os2 = carry
+            db = ep.dispatch(xb, ib, token=tok, **kb)
+            ds = ep.dispatch(xs, i_s, token=db.token, **ks)
+            dc = ep.dispatch(xs * 2, handle=ds.handle, token=ds.token, **ks)
+            cb, _, tok = ep.combine(db.recv_x, db.handle, token=dc.token, return_token=True)
+            c1, _, tok = ep.combine(ds.recv_x, ds.handle, token=tok, return_token=True)
+            c2, _, tok = ep.combine(dc.recv_x, ds.handle, token=tok, return_token=True)
+            return tok, ob.at[i].set(cb), os1.at[i].set(c1), os2.at[i].set(c2)
+
+        def z(shape, dtype):  # varying along "ep", like the ops' outputs
+            return jax.lax.pcast(jnp.zeros(shape, dtype), "ep", to="varying")
+        tok0 = z((), jnp.float32)
+        _, ob, os1, os2 = jax.lax.fori_loop(0, iters, step, (tok0, z((iters,) + xb.shape, xb.dtype), z((iters,) + xs.shape, xs.dtype),
+                                                            z((iters,) + xs.shape, xs.dtype)))
+        return ob[None], os1[None], os2[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+    outs = f(*(shard(a) for name in ("big", "small") for a in data[name]))
+    ob, os1, os2 = (local(o) for o in outs)
+
+    def want(x, idx, E, scale=1.0):
+        # non-expand: each rank that a token reaches returns x once; fp32 sum, one bf16 rounding
+        hits = np.stack([((idx >= 0) & (idx // (E // R) == d)).any(-1) for d in range(R)], -1).sum(-1)
+        return (x.astype(np.float32) * scale * hits[:, None]).astype(jnp.bfloat16)
+
+    Eb, Es = cfgs["big"]["E"], cfgs["small"]["E"]
+    for r in ob:
+        wb = want(data["big"][0][r], data["big"][1][r], Eb)
+        ws1 = want(data["small"][0][r], data["small"][1][r], Es)
+        ws2 = want(data["small"][0][r], data["small"][1][r], Es, 2.0)
+        for it in range(iters):
+            for what, got, w in (("big", ob[r][it], wb), ("small", os1[r][it], ws1), ("small cached", os2[r][it], ws2)):
+                if not same(got, w):
+                    return False, f"{what} combine(dispatch(x)) wrong on rank {r}, iteration {it}"
+    paths = {name: ctx.dispatch_path(max_tokens_per_rank=c["M"], hidden_bytes=c["H"] * 2, topk=c["K"],
+                                     num_experts=c["E"]) for name, c in cfgs.items()}
+    return True, f"paths={paths}"
+
+
 def expect_error(fn, *needles):
     try:
         fn()
@@ -452,6 +521,8 @@ def suite_errors(_ctx_unused):
             ctx.close()
 
     check("error_window_too_small_names_bytes", too_small)
+    check("error_init_cuda_graphs_not_bool",
+          lambda: expect_error(lambda: je.init(mesh, "ep", cuda_graphs="yes"), "cuda_graphs must be a bool"))
 
     # Trace-time validation: messages name the argument.
     ctx = je.init(mesh, "ep", timeout_s=args.timeout)
@@ -497,9 +568,12 @@ def suite_errors(_ctx_unused):
     # Handler-level validation (handlers/validate.h, shared by both backends): the Python layer always asks for the
     # right result shapes, so one is made wrong on its way to ffi_call; the handler must refuse it and name it.
     from jax_engram import _call
+    # with --cuda-graphs on GPU: the graph targets, whose refusal comes while XLA captures them
+    graphs = args.cuda_graphs and devices[0].platform == "gpu"
 
     def handler_rejects(target, index, needles, expand=False):
         real = _call.call
+        target = target + "_graph" if graphs else target
 
         def patched(ctx_, tgt, results, *ops, **attrs):
             if tgt == target:
@@ -508,13 +582,13 @@ def suite_errors(_ctx_unused):
                 results[index] = r.update(shape=(r.shape[0] + 1,) + tuple(r.shape[1:]))
             return real(ctx_, tgt, results, *ops, **attrs)
 
-        ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+        ctx = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=graphs)
         kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand)
 
         def body(x, i):
             d = ep.dispatch(x[0], i[0], **kw)
             c = ep.dispatch(x[0], None, handle=d.handle, **kw)
-            if target == "jax_engram_ep_dispatch_cached":  # its bad result would fail combine's own trace-time check
+            if target.startswith("jax_engram_ep_dispatch_cached"):  # its bad result would fail combine's own trace-time check
                 return c.recv_x[None]
             y, _ = ep.combine(c.recv_x, d.handle)
             return y[None]
@@ -620,12 +694,13 @@ def suite_example(_ctx):
 
 
 SUITES = {"cases": suite_cases, "quick": suite_quick, "cache": suite_cache, "errors": suite_errors,
-          "grad": suite_grad, "gradne": suite_grad_nonexpand, "example": suite_example}
+          "grad": suite_grad, "gradne": suite_grad_nonexpand, "lanes": suite_lanes, "example": suite_example}
 want = args.suite.split(",")
 if "full" in want:
-    want = ["cases", "cache", "gradne", "grad", "errors"]
-ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+    want = ["cases", "cache", "gradne", "grad", "lanes", "errors"]
+ctx = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
 dispatch_path = None
+graph_captures = 0
 try:
     for s in want:
         if s == "errors" or s == "example":
@@ -634,6 +709,7 @@ try:
     ctx.check()
     # how dispatch moves rows for a small case on this machine (tests that force the copy engine assert it)
     dispatch_path = ctx.dispatch_path(max_tokens_per_rank=4, hidden_bytes=256, topk=8, num_experts=8 * R)
+    graph_captures = ctx.graph_captures()
 finally:
     ctx.close()
 for s in want:
@@ -645,6 +721,7 @@ print(f"SUMMARY ep_check: {len(results) - len(failed)} passed, {len(failed)} fai
       f"{jax.process_count()} processes, {time.time() - T0:.1f}s){' FAILED: ' + ', '.join(failed) if failed else ''}",
       flush=True)
 launch.emit_result({"checks": results, "devices": R, "processes": jax.process_count(),
-                    "platform": devices[0].platform, "dispatch_path": dispatch_path})
+                    "platform": devices[0].platform, "dispatch_path": dispatch_path,
+                    "graph_captures": graph_captures})
 launch.shutdown()
 sys.exit(0 if all(results.values()) and results else 1)
