@@ -114,6 +114,19 @@ def test_cuda_graphs_flag_is_a_no_op_on_cpu():
     assert res[0]["graph_captures"] == 0
 
 
+def test_bench_graphs_runs_on_cpu(tmp_path):
+    # the benchmark's plumbing (both contexts, both loops, the JSON); on CPU both modes run the same targets
+    out = tmp_path / "graphs.json"
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_graphs.py"), "--tokens", "8",
+                        "--hidden", "256", "--ffn", "64", "--experts", "16", "--loop", "2", "--iters", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=str(REPO_ROOT),
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["tokens"] == 8 and rows[0]["max_abs_diff"] == 0.0, rows
+    assert rows[0]["step_us_graphs_off"] > 0 and rows[0]["step_us_graphs_on"] > 0
+
+
 # CUDA graphs (Context cuda_graphs=True): with a graph-size threshold of 1 XLA captures every EP op it may (the SM-store
 # dispatches, cached dispatches and combines) into CUDA graphs and replays them without their handlers; the lanes
 # suite interleaves them with copy-engine dispatches, which stay outside (ep_layout.h "dispatch lanes").
