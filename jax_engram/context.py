@@ -295,13 +295,19 @@ class Context:
                                                       int(num_experts), int(hidden_bytes), bool(expand))
         return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
 
-    def graph_captures(self) -> int:
-        """EP calls that XLA captured into CUDA graphs on this process's members (``cuda_graphs=True``; each
-        capture counts once, however often the graph is replayed). 0 on CPU. For tests and diagnosis."""
+    def graph_captures(self) -> dict:
+        """EP calls that XLA captured into CUDA graphs on this process's members (``cuda_graphs=True``), by op:
+        ``{"dispatch": n, "dispatch_cached": n, "combine": n}``. A call counts once per capture, however often the
+        graph is replayed; XLA captures again when an executable runs on new buffer addresses. All 0 on CPU. For
+        tests and diagnosis."""
         self._check_open()
+        out = {"dispatch": 0, "dispatch_cached": 0, "combine": 0}
         if self.platform == "cpu":
-            return 0
-        return sum(max(0, int(self._native.ep_graph_captures(self.id, m.ordinal))) for m in self._created)
+            return out
+        for m in self._created:
+            for k, v in zip(out, self._native.ep_graph_captures(self.id, m.ordinal)):
+                out[k] += int(v)
+        return out
 
     def errors(self) -> list[dict]:
         return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]

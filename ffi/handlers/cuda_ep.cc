@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "handlers/common.h"
 #include "handlers/ep_bindings.h"
@@ -58,7 +59,8 @@ ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
 // Graph targets: counts the calls XLA captures into a CUDA graph (CudaMemberState::graph_captures: the tests'
 // proof that capture happened). Other targets: refuses capture, which would replay the host's copy-engine decisions
 // and counts (XLA never captures a target without the trait; this guards against anything else capturing).
-ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32_t op) {
+enum CaptureKind { kCaptureDispatch = 0, kCaptureCached = 1, kCaptureCombine = 2 };
+ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32_t op, CaptureKind kind) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &cs);
   if (e != cudaSuccess) return cuda_failure(op, "cudaStreamIsCapturing", e);
@@ -66,7 +68,7 @@ ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32
   if (!graph_target)
     return op_error(op, "this call is being captured into a CUDA graph, but only the graph targets (Context "
                         "cuda_graphs=True) may be", ffi::ErrorCode::kFailedPrecondition);
-  cuda_state(m).graph_captures.fetch_add(1, std::memory_order_relaxed);
+  cuda_state(m).graph_captures[kind].fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -272,7 +274,7 @@ ffi::Error launch_dispatch_counted(Member& m, const Allocation& sa, EpDispatchPa
                                    cudaStream_t stream, Launch launch, const char* what, bool graph) {
   constexpr int32_t op = kOpEpDispatch;
   CudaMemberState& st = cuda_state(m);
-  JE_CHECK(note_capture(m, stream, graph, op));
+  JE_CHECK(note_capture(m, stream, graph, op, p.h_meta ? kCaptureCached : kCaptureDispatch));
   if (graph) {
     p.lane = 1;
     p.ce_pieces = 0;
@@ -466,7 +468,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
 
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
-  JE_CHECK(note_capture(m, stream, kGraph, op));
+  JE_CHECK(note_capture(m, stream, kGraph, op, kCaptureCombine));
   EpCombineParams p;
   JE_CHECK(make_window(m, *a, offset, op, &p.w));
   p.L = L;
@@ -504,10 +506,12 @@ int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t 
   return ce_pieces_for(cuda_state(s.member()), s->nranks, M, K, E, x_bytes);
 }
 
-int64_t ep_graph_captures(int64_t ctx_id, int32_t ordinal) {
+std::vector<int64_t> ep_graph_captures(int64_t ctx_id, int32_t ordinal) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
-  if (!s.ok() || !s->backend_state) return -1;
-  return static_cast<int64_t>(cuda_state(s.member()).graph_captures.load(std::memory_order_relaxed));
+  if (!s.ok() || !s->backend_state) return {};
+  std::vector<int64_t> v;
+  for (const auto& c : cuda_state(s.member()).graph_captures) v.push_back(static_cast<int64_t>(c.load(std::memory_order_relaxed)));
+  return v;
 }
 
 // Context arguments of every handler here: XLA's stream and the device ordinal.

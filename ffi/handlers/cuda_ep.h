@@ -1,6 +1,7 @@
 // What the CUDA EP handlers (cuda_ep.cc) expose to the module besides their FFI symbols.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace jax_engram {
 
@@ -9,7 +10,8 @@ namespace jax_engram {
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
                             bool expand);
 
-// EP graph-target calls XLA captured into a CUDA graph on member (ctx_id, ordinal); -1 = no such member.
-int64_t ep_graph_captures(int64_t ctx_id, int32_t ordinal);
+// EP graph-target calls XLA captured into a CUDA graph on member (ctx_id, ordinal): [dispatch, cached dispatch,
+// combine]; empty = no such member.
+std::vector<int64_t> ep_graph_captures(int64_t ctx_id, int32_t ordinal);
 
 }  // namespace jax_engram

@@ -101,7 +101,8 @@ NB_MODULE(_engram_cuda, m) {
         nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"), nb::arg("expand"),
         "Copy-engine pieces a dispatch of this config uses on this member (0: SM stores; -1: no such member).");
   m.def("ep_graph_captures", &ep_graph_captures, nb::arg("ctx_id"), nb::arg("ordinal"),
-        "EP calls captured into a CUDA graph on this member (graph targets; -1: no such member).");
+        "EP calls captured into a CUDA graph on this member: [dispatch, cached dispatch, combine] (empty: no such "
+        "member).");
 
   m.def("nccl_versions", []() {
     return nb::make_tuple(nccl_runtime_version(), nccl_build_version());

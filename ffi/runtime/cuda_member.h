@@ -31,7 +31,8 @@ struct CudaMemberState {
   cudaEvent_t ep_joins[kEpCopyStreams] = {};
   uint64_t ep_dispatch_calls = 0;
   std::mutex ep_mu;                      // one dispatch handler at a time on a member: counter, events, copies
-  std::atomic<uint64_t> graph_captures{0};  // EP graph-target calls captured into a CUDA graph (handlers/cuda_ep.cc)
+  // EP graph-target calls captured into a CUDA graph (handlers/cuda_ep.cc), per op: dispatch, cached dispatch, combine
+  std::atomic<uint64_t> graph_captures[3] = {};
   bool stream_mem_ops = false;           // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS and the entry point
   void* error_alloc = nullptr;           // cudaHostAlloc(Mapped) block holding the ErrorRecord
 

@@ -397,6 +397,29 @@ def _cache_check(ctx):
 
 def suite_lanes(ctx):
     check("lanes_interleaved", lambda: _lanes_check(ctx))
+    check("call_after_close_fails_cleanly", _after_close_check)
+
+
+def _after_close_check():
+    """A compiled function of a closed context must fail with an error, not run: with cuda_graphs a replayed graph
+    would launch kernels into the freed windows, so close() drops JAX's compiled executables and the call retraces."""
+    c2 = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
+    E, M, H = 4 * R, 8, 128
+
+    def body(x, i):
+        d = ep.dispatch(x[0], i[0], ctx=c2, num_experts=E, max_tokens_per_rank=M)
+        y, _ = ep.combine(d.recv_x, d.handle)
+        return y[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+    xs = shard(np.ones((R, M, H), jnp.bfloat16))
+    ids = shard(np.tile(np.array([[0, 1]], np.int32), (R, M, 1)))
+    try:
+        jax.block_until_ready(f(xs, ids))
+        c2.check()
+    finally:
+        c2.close()
+    return expect_error(lambda: jax.block_until_ready(f(xs, ids)), "closed")
 
 
 def _lanes_check(ctx):
@@ -700,7 +723,7 @@ if "full" in want:
     want = ["cases", "cache", "gradne", "grad", "lanes", "errors"]
 ctx = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
 dispatch_path = None
-graph_captures = 0
+graph_captures = None
 try:
     for s in want:
         if s == "errors" or s == "example":
