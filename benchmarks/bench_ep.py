@@ -67,6 +67,9 @@ def _args(argv=None):
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="the context's cuda_graphs=True (XLA may capture the SM-store dispatches and the combines into "
+                         "CUDA graphs; XLA_FLAGS decide which loops it does: see benchmarks/bench_graphs.py)")
     ap.add_argument("--ceiling-bytes", type=int, default=1 << 30)
     ap.add_argument("--devices", type=int, default=0, help="ranks (0 = all devices)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; on a machine without GPUs: 2 CPU devices")
@@ -298,7 +301,8 @@ def main():
         else:
             results["ceiling"] = {"skipped": "needs one process with >= 2 devices"}
 
-    ctx = jax_engram.init(mesh, AX)
+    ctx = jax_engram.init(mesh, AX, cuda_graphs=ARGS.cuda_graphs)
+    log(f"config: cuda_graphs={ARGS.cuda_graphs} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     rows = []
     with jax.set_mesh(mesh):
         for N in toks:
@@ -381,6 +385,9 @@ def main():
                             + (f" | check {'OK' if chk['ok'] else 'FAILED ' + str(chk)}" if chk else ""))
                 del inputs
     ctx.check()  # raises a device-recorded error (timeout, bad input) that the timings could hide
+    if ARGS.cuda_graphs:
+        results["graph_captures"] = ctx.graph_captures()
+        log(f"EP calls captured into CUDA graphs: {results['graph_captures']}")
     ctx.close()
 
     t = C.Table([("tokens", "tok"), ("dtype", "dtype"), ("layout", "layout"), ("sms", "SMs"),
