@@ -81,12 +81,8 @@ EpLaunch launch_shape(Member& m, int64_t num_sms, int default_stage_warps) {
   int g = num_sms > 0 ? static_cast<int>(std::min<int64_t>(num_sms, 1 << 20)) : kDefaultSms;
   if (sms > 0) g = std::min(g, sms);
   l.num_ctas = std::max(1, std::min(g, kEpMaxCtas));
-  int sw = default_stage_warps;
-  if (const char* e = std::getenv("JAX_ENGRAM_EP_STAGE_WARPS")) {
-    const int v = std::atoi(e);
-    if (v >= 1 && v < kEpThreads / 32) sw = v;
-  }
-  l.stage_warps = sw;
+  // at least one warp pushes and one receives
+  l.stage_warps = env_int("JAX_ENGRAM_EP_STAGE_WARPS", default_stage_warps, 1, kEpThreads / 32 - 1);
   return l;
 }
 
