@@ -137,6 +137,44 @@ __device__ __noinline__ void warp_sum2_v(uint8_t* out, const uint4* sa, const ui
   }
 }
 
+// out = T(((-0 + row_0) + row_1) + ... + row_{NS-1}) for NS = 3..8 rows and no bias: U units of EVERY row in flight
+// at once (NS * U = 12..16 loads of 16 bytes per lane), no accumulator kept across loads. The expand combine's expert
+// side sums ~4 rows per pushed row (top-8 of 256 at 2 ranks: 1-8 local experts per token, mean 4); the general path
+// below keeps only two rows' loads in flight and is latency-bound there. Same fold order, same result bits.
+struct RowPtrs {
+  const uint4* p[8];
+};
+template <typename T, int NS, int U>
+__device__ __noinline__ void warp_sumn_v(uint8_t* out, const RowPtrs s, int64_t nbytes, int lane) {
+  constexpr int NE = 16 / sizeof(T);
+  const int64_t n = nbytes / 16;
+  for (int64_t base = 0; base < n; base += 32 * U) {
+    uint4 v[NS][U];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t idx = base + u * 32 + lane;
+        v[j][u] = idx < n ? __ldcg(s.p[j] + idx) : uint4{};
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = base + u * 32 + lane;
+      if (idx >= n) continue;
+      uint4 o;
+      T* e = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int q = 0; q < NE; ++q) {
+        float a = -0.0f;
+#pragma unroll
+        for (int j = 0; j < NS; ++j) a += to_f(reinterpret_cast<const T*>(&v[j][u])[q]);
+        e[q] = from_f<T>(a);
+      }
+      reinterpret_cast<uint4*>(out)[idx] = o;
+    }
+  }
+}
+
 // Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out.
 // Register loads: probe_reduce measured a cp.async ring through shared memory 2.4x slower than 4 units per lane of
 // two terms in registers (the ring was this kernel's default until session 4: combine 420 -> 324 us at 4096 tokens).
@@ -158,6 +196,22 @@ JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsi
     const auto* sa = reinterpret_cast<const uint4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), ba));
     const auto* sb = reinterpret_cast<const uint4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), bb));
     warp_sum2_v<T, 8>(out, sa, sb, nbytes, lane);
+  } else if (!b0 && !b1 && __popc(mask) >= 3 && __popc(mask) <= 8) {
+    RowPtrs s{};
+    unsigned mm = mask;
+    for (int j = 0; mm; ++j) {
+      const int b = __ffs(mm) - 1;
+      mm &= mm - 1;
+      s.p[j] = reinterpret_cast<const uint4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_src), b));
+    }
+    switch (__popc(mask)) {
+      case 3: warp_sumn_v<T, 3, 5>(out, s, nbytes, lane); break;
+      case 4: warp_sumn_v<T, 4, 4>(out, s, nbytes, lane); break;
+      case 5: warp_sumn_v<T, 5, 3>(out, s, nbytes, lane); break;
+      case 6: warp_sumn_v<T, 6, 2>(out, s, nbytes, lane); break;
+      case 7: warp_sumn_v<T, 7, 2>(out, s, nbytes, lane); break;
+      default: warp_sumn_v<T, 8, 2>(out, s, nbytes, lane); break;
+    }
   } else {
     warp_reduce_v<T, uint4, 4>(out, b0, b1, mask, lane_src, nbytes, lane);  // 2 terms x 4 units in flight
   }
