@@ -183,6 +183,41 @@ def per_rank(result: Dict[str, Any], r: int) -> Dict[str, Any]:
     return {k: (None if v is None else v[r]) for k, v in result.items()}
 
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+@jax.custom_vjp
+def _take_float_rows(table, idx):
+    u = jax.lax.bitcast_convert_type(table, _BITS[np.dtype(table.dtype).itemsize])
+    n = u.shape[0]
+    inside = (idx < n).reshape(idx.shape + (1,) * (u.ndim - 1))
+    return jax.lax.bitcast_convert_type(jnp.where(inside, u[jnp.minimum(idx, n - 1)], 0), table.dtype)
+
+
+def _take_float_rows_fwd(table, idx):
+    return _take_float_rows(table, idx), (table, idx)
+
+
+def _take_float_rows_bwd(res, ct):
+    table, idx = res
+    g = jnp.zeros((table.shape[0] + 1,) + table.shape[1:], ct.dtype).at[idx].add(ct)
+    return g[:-1].astype(table.dtype), None
+
+
+_take_float_rows.defvjp(_take_float_rows_fwd, _take_float_rows_bwd)
+
+
+def _take(table, idx):
+    """Rows ``idx`` of ``table`` (axis 0), where ``idx == len(table)`` selects a zero row, moving bits. XLA:CPU on
+    CPUs with AVX512-BF16 flushes bf16 subnormals to zero when it concatenates bf16 data (seen with a zero sentinel
+    row appended), which would change values a copy must keep; gathering the bit patterns as unsigned integers and
+    selecting the zero row with a mask is exact everywhere. Differentiable in ``table`` (cotangents scatter-add
+    back)."""
+    if not jnp.issubdtype(table.dtype, jnp.floating):
+        return _append_row(table, 0)[idx]
+    return _take_float_rows(table, idx)
+
+
 def _append_row(a, fill):
     """Append one row of ``fill`` along axis 0 (the gather sentinel row)."""
     pad = jnp.full((1,) + tuple(a.shape[1:]), fill, dtype=a.dtype)
@@ -255,12 +290,11 @@ def _engram_impl(shards, indices, sf_table, mode, sf_layout):
     valid = (ids >= 0) & (ids < total)
     safe = jnp.where(valid, ids, total).reshape(-1)  # `total` = appended zero row
 
-    table = _append_row(shards.reshape(total, H), 0)
-    data = table[safe].reshape(T, E * H)
+    data = _take(shards.reshape(total, H), safe).reshape(T, E * H)
     if sf_table is None:
         return data, None
     P = sf_table.shape[1]
-    sf_row = _append_row(sf_table, 0)[safe].reshape(T, E * P)
+    sf_row = _take(sf_table, safe).reshape(T, E * P)
     if sf_layout == "row":
         return data, sf_row
     Tp = int(align(T, 4))
@@ -417,13 +451,13 @@ def _ep_dispatch_impl(x, topk_idx, topk_weights, x_scales, E, M, expand, A, zero
     psum_rank = jnp.cumsum(counts_rank, axis=1, dtype=i32)
 
     out: Dict[str, Optional[jax.Array]] = {}
-    x_flat_ext = _append_row(x.reshape(T, H), 0)
-    sc_flat_ext = None if x_scales is None else _append_row(x_scales.reshape(T, -1), 0)
+    x_flat = x.reshape(T, H)                    # row T of _take = the zero sentinel row
+    sc_flat = None if x_scales is None else x_scales.reshape(T, -1)
 
     if not expand:
         local_on = jnp.where(hits, local[:, :, None], -1).transpose(0, 2, 1)  # [T, R, K]
-        out["recv_x"] = x_flat_ext[src_of_row]
-        out["recv_x_scales"] = None if sc_flat_ext is None else sc_flat_ext[src_of_row]
+        out["recv_x"] = _take(x_flat, src_of_row)
+        out["recv_x_scales"] = None if sc_flat is None else _take(sc_flat, src_of_row)
         out["recv_topk_idx"] = gather_tok_rank(local_on, -1)
         out["recv_topk_weights"] = (None if topk_weights is None else
                                     _append_row(topk_weights.reshape(T, K), 0)[src_of_row])
@@ -443,8 +477,8 @@ def _ep_dispatch_impl(x, topk_idx, topk_weights, x_scales, E, M, expand, A, zero
         src_entry = jnp.full((R * rows_e,), T * K, i32).at[flat_tgt.reshape(-1)].set(
             entry.reshape(-1), mode="drop").reshape(R, rows_e)               # T*K = none
         src_tok = src_entry // K                                              # none -> T
-        out["recv_x"] = x_flat_ext[src_tok]
-        out["recv_x_scales"] = None if sc_flat_ext is None else sc_flat_ext[src_tok]
+        out["recv_x"] = _take(x_flat, src_tok)
+        out["recv_x_scales"] = None if sc_flat is None else _take(sc_flat, src_tok)
         out["recv_topk_idx"] = None
         out["recv_topk_weights"] = (None if topk_weights is None else
                                     _append_row(topk_weights.reshape(T * K), 0)[src_entry])
