@@ -81,8 +81,8 @@ def main() -> int:
     w = info["window"]
     out("window per rank", f"workspace {w['workspace_bytes'] >> 20} MiB | device segment "
         f"{w['device_segment_bytes'] >> 20} MiB | host segment {w['host_segment_bytes'] >> 20} MiB")
-    if "nccl" in info:
-        for ordinal, topo in sorted(info["nccl"].items()):
+    if ctx.platform != "cpu" and ctx.ranks_per_gpu == 1:
+        for ordinal, topo in sorted(ctx.nccl_topology().items()):
             out(f"topology (device {ordinal})", json.dumps(topo, sort_keys=True))
 
     n = ctx.num_ranks

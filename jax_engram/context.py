@@ -4,14 +4,17 @@
 devices along `axis_name` (one group per position on the other mesh axes) it creates a member per local
 device, a symmetric window `[workspace | device segment | host segment]` per rank, maps every peer's window
 into every member's view (same process: directly; other processes of the host: by file-descriptor
-sharing), and on GPUs a side NCCL communicator per group. Ops find their member by (context id, device
-ordinal) at run time, so the same jitted function works on any number of processes and devices.
+sharing). No NCCL communicator is created at init: no op needs one inside a node, and a job whose ranks share
+a GPU (more ranks than GPUs, for tests) could not build one. ``Context.nccl_topology()`` creates the side
+communicator, window and device communicator on demand. Ops find their member by (context id, device ordinal) at
+run time, so the same jitted function works on any number of processes and devices.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -149,8 +152,6 @@ class Context:
                 self._native.member_create(self.id, m.ordinal, m.group, m.rank, self.num_ranks, self.timeout_s,
                                            f"context {self.id} (axis {axis_name!r}, group {m.group})")
                 self._created.append(m)
-            if self.platform != "cpu":
-                self._init_nccl()
             dev_seg = _align(self.device_bytes or 0)
             host_seg = _align(self.host_bytes or 0)
             segs = [(WORKSPACE_BYTES + dev_seg, DEVICE)] + ([(host_seg, HOST)] if host_seg else [])
@@ -159,8 +160,6 @@ class Context:
             self._device_res = _Reservation(WORKSPACE_BYTES, dev_seg) if self.device_bytes is not None else None
             self._host_res = (_Reservation(WORKSPACE_BYTES + dev_seg, host_seg)
                               if self.host_bytes is not None else None)
-            if self.platform != "cpu":
-                self._register_window()
         except BaseException:
             self._teardown()
             raise
@@ -168,9 +167,20 @@ class Context:
 
     # ---------------------------------------------------------------------------------------------- setup
     def _check_hosts(self) -> None:
-        recs = self._exchange.allgather(
-            "hosts", {str(jax.process_index()): self._native.host_id()}, [str(p) for p in self.process_ids])
-        self.hosts = {int(k): v for k, v in recs.items()}
+        me = str(jax.process_index())
+        mine = {"host": self._native.host_id(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "devices": {str(m.device.id): m.ordinal for m in self.members}}
+        recs = self._exchange.allgather("hosts", {me: mine}, [str(p) for p in self.process_ids])
+        self.hosts = {int(k): v["host"] for k, v in recs.items()}
+        # Ranks on one physical GPU (several processes given the same device, to test more ranks than GPUs): the
+        # same host, the same CUDA_VISIBLE_DEVICES and the same ordinal. Our windows and kernels work there (the
+        # GPU time-slices the processes' kernels); an NCCL communicator cannot (NCCL refuses duplicate GPUs).
+        self.ranks_per_gpu = 1
+        if self.platform != "cpu":
+            for row in self._groups:
+                where = [(recs[str(d.process_index)]["host"], recs[str(d.process_index)]["visible"],
+                          recs[str(d.process_index)]["devices"][str(d.id)]) for d in row]
+                self.ranks_per_gpu = max(self.ranks_per_gpu, max(where.count(w) for w in where))
         for row in self._groups:
             hosts = {self.hosts[d.process_index] for d in row}
             if len(hosts) > 1:
@@ -180,6 +190,24 @@ class Context:
                         "memory between the processes of one host only")
                 self.spans_hosts = True
         self.spans_hosts = getattr(self, "spans_hosts", False)
+
+    def nccl_topology(self) -> dict[int, dict]:
+        """Collective (every process of the context must call it): create the side NCCL communicator, window and
+        LSA device communicator of every group if not done yet, and return, per local device ordinal, what NCCL
+        reports (versions, ranks, LSA team, window / device-API support, P2P access, NUMA). No op needs them; they
+        are for diagnosis and for paths that use NCCL. GPU only; refused when ranks share a GPU."""
+        self._check_open()
+        if self.platform == "cpu":
+            raise RuntimeError("jax_engram: nccl_topology() needs a GPU context (this one is on CPU)")
+        if self.ranks_per_gpu > 1:
+            raise RuntimeError(
+                f"jax_engram: context {self.id} has {self.ranks_per_gpu} ranks on one GPU; NCCL refuses a "
+                "communicator with duplicate GPUs, so nccl_topology() is not available in this mode (the ops do "
+                "not need NCCL)")
+        if not self.nccl:
+            self._init_nccl()
+            self._register_window()
+        return dict(self.nccl)
 
     def _init_nccl(self) -> None:
         # ncclCommInitRankConfig waits, without a bound, for every rank of the communicator: meet here first (a
@@ -362,6 +390,7 @@ class Context:
             "window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
                        "host_segment_bytes": _align(self.host_bytes or 0)},
             "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts, "cuda_graphs": self.cuda_graphs,
+            "ranks_per_gpu": self.ranks_per_gpu,
         }
         if self.nccl:
             d["nccl"] = self.nccl

@@ -329,7 +329,10 @@ class EngramTable:
     def _global_token(self):
         mesh, ax = self._mesh_spec()
         if self._token is None:
-            self._token = jax.device_put(np.zeros((self.num_ranks,), np.int32), NamedSharding(mesh, P(ax)))
+            # make_array_from_callback, not device_put: on a multi-process job device_put of a host array checks
+            # that every process passed the same value with an XLA all-gather, and this needs no collective.
+            zeros = np.zeros((self.num_ranks,), np.int32)
+            self._token = jax.make_array_from_callback(zeros.shape, NamedSharding(mesh, P(ax)), lambda i: zeros[i])
         return self._token
 
     def _write_fn(self):

@@ -70,6 +70,7 @@ ENV_NUM_PROCESSES = "JAX_ENGRAM_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_ENGRAM_PROCESS_ID"
 ENV_PLATFORM = "JAX_ENGRAM_PLATFORM"
 ENV_DEVICES_PER_PROCESS = "JAX_ENGRAM_DEVICES_PER_PROCESS"
+ENV_GPUS = "JAX_ENGRAM_GPUS"  # cuda: share this many GPUs round-robin among the ranks (unset: one GPU per rank)
 
 RESULT_PREFIX = "RESULT "
 PLATFORMS = ("cpu", "cuda")
@@ -91,11 +92,15 @@ class LaunchConfig:
     process_id: int
     platform: str
     devices_per_process: int
+    gpus: int = 0
 
     @property
     def local_device_ids(self) -> list[int]:
+        """CUDA devices of this process: ``[i*K, ..., i*K+K-1]``, taken modulo ``gpus`` when the job shares
+        ``gpus`` GPUs among more ranks (several processes on one GPU: correctness tests of many ranks)."""
         k, i = self.devices_per_process, self.process_id
-        return list(range(i * k, i * k + k))
+        ids = list(range(i * k, i * k + k))
+        return [d % self.gpus for d in ids] if self.gpus else ids
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> LaunchConfig | None:
@@ -111,12 +116,13 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> LaunchConfig | 
             process_id=int(env[ENV_PROCESS_ID]),
             platform=env.get(ENV_PLATFORM, "cpu").lower(),
             devices_per_process=int(env.get(ENV_DEVICES_PER_PROCESS, "1")),
+            gpus=int(env.get(ENV_GPUS, "0") or 0),
         )
     except (KeyError, ValueError) as e:
         raise RuntimeError(f"incomplete/invalid {ENV_COORDINATOR}* launch environment: {e!r}") from e
     if cfg.platform not in PLATFORMS:
         raise RuntimeError(f"{ENV_PLATFORM}={cfg.platform!r}; expected one of {PLATFORMS}")
-    if not 0 <= cfg.process_id < cfg.num_processes or cfg.devices_per_process < 1:
+    if not 0 <= cfg.process_id < cfg.num_processes or cfg.devices_per_process < 1 or cfg.gpus < 0:
         raise RuntimeError(f"invalid launch environment: {cfg}")
     return cfg
 
@@ -628,6 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-n", "--num-processes", type=int, required=True, dest="n")
     ap.add_argument("--platform", choices=PLATFORMS, default="cpu")
     ap.add_argument("--devices-per-process", type=int, default=1, metavar="K")
+    ap.add_argument("--gpus", type=int, default=0, metavar="G",
+                    help="cuda: share G GPUs round-robin among the ranks (more ranks than GPUs; for correctness "
+                         "tests: the GPU time-slices the processes' kernels)")
     ap.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS")
     ap.add_argument("script")
     ap.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -643,7 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (ValueError, OSError):  # not the main thread
                 pass
     try:
-        job = launch(a.n, a.script, a.script_args, a.platform, a.devices_per_process, a.timeout)
+        env = {ENV_GPUS: str(a.gpus)} if a.gpus else None
+        job = launch(a.n, a.script, a.script_args, a.platform, a.devices_per_process, a.timeout, env)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as e:

@@ -335,8 +335,8 @@ def _():
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P(AX, None)),
                               out_specs=(P(AX, None), P(AX, None))))
-    y0 = jnp.ones((R * 8, 8), jnp.float32)
-    data, _ = f(sharded(ids), jax.device_put(y0, NamedSharding(mesh, P(AX, None))))
+    y0 = np.ones((R * 8, 8), np.float32)
+    data, _ = f(sharded(ids), sharded(y0))
     assert_global_equal(data, reference_lookup(x, None, ids, N, "clip", "row")[0], "fetch/work/wait")
 
 

@@ -125,11 +125,14 @@ init_s = time.time() - t0
 info = ctx.info()
 log(f"init took {init_s:.2f} s; ctx.info() = {info}")
 topo = {}
-for m in ctx.members if hasattr(ctx._native, "topology") else []:  # CUDA module only
-    # Fresh: ctx.info()["nccl"] is captured before the window is registered.
-    topo[m.ordinal] = ctx._native.topology(ctx.id, m.ordinal)
-    log(f"topology of GPU {m.ordinal} (rank {m.rank}): {topo[m.ordinal]}")
+if ctx.platform != "cpu" and ctx.ranks_per_gpu == 1:
+    # NCCL is created on demand (collective): the side communicator, window and device communicator.
+    topo = ctx.nccl_topology()
+for m in ctx.members:
+    if m.ordinal not in topo:
+        continue
     t = topo[m.ordinal]
+    log(f"topology of GPU {m.ordinal} (rank {m.rank}): {t}")
     record(f"nccl_window[gpu{m.ordinal}]", bool(t["window_registered"]), t["window_reason"], warn_only=True)
     record(f"nccl_devcomm[gpu{m.ordinal}]", bool(t["devcomm"]) and t["lsa_size"] >= 1,
            t["devcomm_reason"] or f"lsa {t['lsa_rank']}/{t['lsa_size']}", warn_only=True)
