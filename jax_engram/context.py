@@ -36,6 +36,12 @@ _live: "weakref.WeakSet[Context]" = weakref.WeakSet()
 _lock = threading.Lock()
 
 
+def _mps_active() -> bool:
+    """Whether a CUDA MPS control daemon is reachable (its pipe directory holds the control socket)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
 def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 
@@ -181,6 +187,14 @@ class Context:
                 where = [(recs[str(d.process_index)]["host"], recs[str(d.process_index)]["visible"],
                           recs[str(d.process_index)]["devices"][str(d.id)]) for d in row]
                 self.ranks_per_gpu = max(self.ranks_per_gpu, max(where.count(w) for w in where))
+            if self.ranks_per_gpu > 1 and _mps_active():
+                # Under MPS the processes' kernels share the SMs at once instead of taking turns: the EP kernels
+                # (one CTA per SM, all resident, spinning on peers) of several ranks need not fit together, and a
+                # rank whose kernel cannot start would leave the others spinning until the timeout.
+                raise NotImplementedError(
+                    f"jax_engram.init: {self.ranks_per_gpu} ranks share a GPU while the CUDA MPS server is running; "
+                    "ranks sharing a GPU are supported with the default time slicing only (stop MPS: "
+                    "echo quit | nvidia-cuda-mps-control)")
         for row in self._groups:
             hosts = {self.hosts[d.process_index] for d in row}
             if len(hosts) > 1:

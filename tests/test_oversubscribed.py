@@ -118,3 +118,13 @@ def test_launcher_shares_gpus_round_robin():
     p = subprocess.run([sys.executable, "-m", "jax_engram.launch", "--help"], capture_output=True, text=True,
                        cwd=str(REPO_ROOT), timeout=60)
     assert "--gpus" in p.stdout
+
+
+def test_mps_detection(tmp_path, monkeypatch):
+    """Ranks sharing a GPU are refused under MPS (kernels of several ranks would have to co-reside); the check
+    looks for the MPS control socket in CUDA_MPS_PIPE_DIRECTORY."""
+    from jax_engram.context import _mps_active
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not _mps_active()
+    (tmp_path / "control").touch()
+    assert _mps_active()
