@@ -197,12 +197,12 @@ class Context:
                     "echo quit | nvidia-cuda-mps-control)")
         for row in self._groups:
             hosts = {self.hosts[d.process_index] for d in row}
-            if len(hosts) > 1:
-                if self.platform == "cpu":
-                    raise NotImplementedError(
-                        f"jax_engram: axis {self.axis_name!r} spans {len(hosts)} hosts; the CPU backend shares "
-                        "memory between the processes of one host only")
-                self.spans_hosts = True
+            if len(hosts) > 1:  # windows are mapped peer to peer: a flat group must stay inside one host
+                raise NotImplementedError(
+                    f"jax_engram: axis {self.axis_name!r} spans {len(hosts)} hosts; a flat context maps every "
+                    "peer's memory, which only works inside one host (NVLink domain). Use a 2-D (node, local) "
+                    f"EP group: jax_engram.init(mesh, (\"node\", {self.axis_name!r})) with a mesh whose last axis "
+                    "stays inside a host")
         self.spans_hosts = getattr(self, "spans_hosts", False)
 
     def nccl_topology(self) -> dict[int, dict]:
@@ -411,9 +411,12 @@ class Context:
         return d
 
 
-def init(mesh, axis_name: str, *, device_bytes: int | None = None, host_bytes: int | None = None,
+def init(mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None, host_bytes: int | None = None,
          timeout_s: float = 100.0, cuda_graphs: bool = False) -> Context:
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
+
+    axis_name may be a tuple of mesh axes ``("node", "gpu")``: a hierarchical EP group spanning nodes (the
+    last axis inside one node; global rank = node-major), see :mod:`jax_engram._scaleout`.
 
     device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
     segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
@@ -426,6 +429,13 @@ def init(mesh, axis_name: str, *, device_bytes: int | None = None, host_bytes: i
     (a timeout, bad routing) is raised by ``ctx.check()`` or by the next op of the context that is not replayed,
     not by the op itself; call ``ctx.check()`` where you need to know. No effect on CPU.
     """
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) == 1:
+            axis_name = axis_name[0]
+        else:
+            from jax_engram._scaleout import HierContext
+            return HierContext(mesh, tuple(axis_name), device_bytes=device_bytes, host_bytes=host_bytes,
+                               timeout_s=timeout_s, cuda_graphs=cuda_graphs)
     return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s,
                    cuda_graphs=cuda_graphs)
 

@@ -124,6 +124,12 @@ class EngramTable:
       sf_placement: where each rank's copy of the scale-factor table lives (read locally), default HBM.
     """
 
+    def __new__(cls, ctx=None, *args, **kwargs):
+        if cls is EngramTable and getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
+            from jax_engram._scaleout import hier_engram_table_class
+            cls = hier_engram_table_class()
+        return super().__new__(cls)
+
     def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
                  num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device"):
         pre = "jax_engram.EngramTable"

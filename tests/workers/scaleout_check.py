@@ -1,0 +1,264 @@
+"""Hierarchical (node, local) EP groups: every result bit-exact against jax_engram.reference over the global
+ranks (node-major), on CPU devices or GPUs, 1..N processes.
+
+The mesh is (nodes, local) with axes ("node", "gpu"); a node is a set of devices of one process row (under the
+launcher with one device per process and --nodes = processes, every process is a node). Prints ``PASS name`` /
+``FAIL name: why`` per case and ends with ``emit_result({"checks": {name: bool}, ...})``.
+
+Run:
+  one process:         python tests/workers/scaleout_check.py --platform cpu --cpu-devices 4 --nodes 2
+  under the launcher:  python -m jax_engram.launch -n 2 --devices-per-process 2 tests/workers/scaleout_check.py --nodes 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+try:
+    from jax_engram.launch import emit_result, initialize, shutdown
+except ModuleNotFoundError as e:  # run straight from a source checkout
+    if e.name not in ("jax_engram", "jax_engram.launch"):
+        raise
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from jax_engram.launch import emit_result, initialize, shutdown
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda"])
+ap.add_argument("--cpu-devices", type=int, default=4)
+ap.add_argument("--nodes", type=int, required=True)
+ap.add_argument("--suite", default="engram,ep")
+ap.add_argument("--only", default=None)
+args = ap.parse_args()
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+cfg = initialize()
+
+import jax  # noqa: E402
+
+if cfg is None:
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    elif args.platform == "cuda":
+        jax.config.update("jax_platforms", "cuda")
+
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_engram as je  # noqa: E402
+from jax_engram import reference  # noqa: E402
+
+AXES = ("node", "gpu")
+DEVS = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+R = len(DEVS)
+NODES = args.nodes
+L = R // NODES
+assert NODES * L == R, f"{R} devices do not split into {NODES} nodes"
+mesh = jax.sharding.Mesh(np.array(DEVS).reshape(NODES, L), AXES,
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+SPEC = P(AXES)
+BF16, F32, FP8 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(ml_dtypes.float8_e4m3fn)
+ctx = je.init(mesh, AXES, timeout_s=120.0)
+flat_mesh = jax.sharding.Mesh(np.array(DEVS), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+CHECKS: dict[str, bool] = {}
+
+
+def check(name):
+    def deco(fn):
+        if args.only and args.only not in name:
+            return fn
+        t0 = time.time()
+        try:
+            fn()
+            CHECKS[name] = True
+            print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure
+            CHECKS[name] = False
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+        return fn
+    return deco
+
+
+def _uint(dt):
+    return np.dtype(f"u{np.dtype(dt).itemsize}")
+
+
+def bits(a):
+    a = np.ascontiguousarray(np.asarray(a))
+    return a.view(_uint(a.dtype)) if a.dtype.itemsize in (1, 2, 4, 8) and a.dtype != np.bool_ else a
+
+
+def random_bits(rng, shape, dt):
+    dt = np.dtype(dt)
+    u = rng.integers(0, 2 ** (8 * dt.itemsize), size=shape, dtype=np.uint64).astype(_uint(dt))
+    if dt == FP8:
+        u = np.where((u & 0x7F) == 0x7F, u ^ 0x01, u)
+    else:
+        exp = {2: 0x7F80, 4: 0x7F800000}[dt.itemsize]
+        hi = {2: 0x4000, 4: 0x40000000}[dt.itemsize]
+        u = np.where((u & exp) == exp, u & ~np.array(hi, u.dtype), u)
+    return u.astype(_uint(dt)).view(dt)
+
+
+def sharded(a, spec=None):
+    spec = spec or P(AXES, *([None] * (a.ndim - 1)))
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
+def assert_equal(got, want, what):
+    """got: a global jax.Array (sharded like want's leading axis) or numpy; want: numpy."""
+    if isinstance(got, jax.Array):
+        for s in got.addressable_shards:
+            g, w = bits(s.data), bits(np.asarray(want)[s.index])
+            if not np.array_equal(g, w):
+                bad = np.argwhere(g != w)
+                raise AssertionError(f"{what}: {len(bad)} of {g.size} differ on {s.device} (first {bad[0].tolist()} "
+                                     f"of {s.index}: got {g[tuple(bad[0])]}, want {w[tuple(bad[0])]})")
+        return
+    g, w = bits(got), bits(want)
+    if g.shape != w.shape or not np.array_equal(g, w):
+        bad = np.argwhere(g != w) if g.shape == w.shape else [[-1]]
+        raise AssertionError(f"{what}: differs (shapes {g.shape} vs {w.shape}; {len(bad)} elements, first "
+                             f"{bad[0]}: got {g[tuple(bad[0])] if g.shape == w.shape else ''} want "
+                             f"{w[tuple(bad[0])] if g.shape == w.shape else ''})")
+
+
+# -------------------------------------------------------------------------------------------- context
+@check("context_info_and_mappings")
+def _():
+    info = ctx.info()
+    assert info["nodes"] == NODES and info["ranks_per_node"] == L and info["num_ranks"] == R, info
+    assert "all_to_all" in info["inter_node_path"], info
+    inner = ctx.inner
+    # A member maps the windows of its own node's ranks only (count the peer mappings of the window).
+    for m in inner.members:
+        peers = inner._native.alloc_info(inner.id, m.ordinal, 0)["peers"]
+        assert len(peers) == L and all(p != 0 for p in peers), (m, peers)
+        node_of = {d.id: n for n in range(NODES) for d in mesh.devices[n]}
+        assert inner._groups[m.group].tolist() == list(mesh.devices[node_of[m.device.id]]), m
+
+
+# --------------------------------------------------------------------------------------------- Engram
+def make_ids(rng, rows, E, total, special=True):
+    ids = rng.integers(0, total, size=(rows, E), dtype=np.int64)
+    if special:
+        pool = np.array([-1, -7, total, total + 5, 2**31 - 1, 0, total - 1], np.int64)
+        mask = rng.random((rows, E)) < 0.3
+        ids = np.where(mask, pool[rng.integers(0, len(pool), size=(rows, E))], ids)
+    return ids.astype(np.int32)
+
+
+def _ref_lookup(shards, ids, *, mode="fill", sf_table=None, sf_layout="row"):
+    """jax_engram.reference.engram_lookup's semantics in numpy (XLA:CPU may flush bf16 subnormals inside the
+    jitted reference's fusions; a table copy must keep every bit)."""
+    Rr, N, H = shards.shape
+    total = Rr * N
+    g = np.minimum(ids, total - 1) if mode == "clip" else ids
+    valid = (g >= 0) & (g < total)
+    T, E = ids.shape
+    flat = np.concatenate([shards.reshape(total, H), np.zeros((1, H), shards.dtype)])
+    data = flat[np.where(valid, g, total)].reshape(T, E * H)
+    if sf_table is None:
+        return data, None
+    sft = np.concatenate([sf_table, np.zeros((1, sf_table.shape[1]), sf_table.dtype)])
+    s = sft[np.where(valid, g, total)].reshape(T, -1)
+    if sf_layout == "row":
+        return data, s
+    Tp = (T + 3) // 4 * 4
+    return data, np.pad(s.T, ((0, 0), (0, Tp - T)))
+
+
+def engram_case(dt, placement, packs, T, E, modes=("fill", "clip"), layouts=("row",), N=24, H=32, seed=0):
+    rng = np.random.default_rng(seed)
+    t = je.EngramTable(ctx, N, H, dt, placement=placement, num_sf_packs=packs)
+    x = random_bits(rng, (R * N, H), dt)
+    sf = random_bits(rng, (R * N, packs), np.float32) if packs else None
+    t.write_global(x, sf)
+    for mode in modes:
+        ids = make_ids(rng, R * T, E, t.total_entries)
+        for layout in layouts:
+            data, s = t.lookup_global(sharded(ids), mode=mode, sf_layout=layout)
+            for r, blk in enumerate(np.split(ids, R)):
+                wd, ws = _ref_lookup(x.reshape(R, N, H), blk, mode=mode, sf_table=sf, sf_layout=layout)
+                dsh = [sh for sh in data.addressable_shards if sh.index[0].start == r * T]
+                for sh in dsh:
+                    assert_equal(np.asarray(sh.data), np.asarray(wd), f"data rank {r} mode={mode}")
+                if packs:
+                    rows = s.shape[0] // R
+                    for sh in s.addressable_shards:
+                        if sh.index[0].start == r * rows:
+                            assert_equal(np.asarray(sh.data), np.asarray(ws), f"sf rank {r} {mode} {layout}")
+    return t, x, sf
+
+
+if "engram" in args.suite:
+    for _dt, _pl, _pk in ((BF16, "host", 0), (BF16, "device", 0), (FP8, "device", 2), (F32, "host", 1)):
+        @check(f"engram_{_dt.name}_{_pl}_p{_pk}")
+        def _(dt=_dt, pl=_pl, pk=_pk):
+            engram_case(dt, pl, pk, T=5, E=3, layouts=("row", "tma_col_major") if pk else ("row",),
+                        seed=len(dt.name) * 10 + len(pl) + pk)
+
+    @check("engram_in_shard_map_write_fetch_wait_and_T0")
+    def _():
+        N, H = 16, 8
+        rng = np.random.default_rng(1)
+        t = je.EngramTable(ctx, N, H, F32, placement="device")
+        x = random_bits(rng, (R * N, H), F32)
+        ids = make_ids(rng, R * 4, 2, t.total_entries)
+
+        def body(xs, i):
+            tok = t.write(xs)
+            pend = t.fetch(i, tok)
+            d, _ = t.wait(pend)
+            d0, _ = t.lookup(i[:0], tok)
+            return d, d0
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES, None), P(AXES, None)),
+                                  out_specs=(P(AXES, None), P(AXES, None))))
+        d, d0 = f(sharded(x), sharded(ids))
+        want = np.concatenate([np.asarray(_ref_lookup(x.reshape(R, N, H), b, mode="fill")[0])
+                               for b in np.split(ids, R)])
+        assert_equal(d, want, "write+fetch+wait in one jit")
+        assert d0.shape == (0, 2 * H)
+
+    @check("engram_replicated_ids_and_checked_mode")
+    def _():
+        N, H = 16, 8
+        rng = np.random.default_rng(2)
+        t = je.EngramTable(ctx, N, H, BF16, placement="host")
+        x = random_bits(rng, (R * N, H), BF16)
+        t.write_global(x)
+        ids = make_ids(rng, 7, 3, t.total_entries)
+        d, _ = t.lookup_global(ids, mode="clip")
+        want = np.asarray(_ref_lookup(x.reshape(R, N, H), ids, mode="clip")[0])
+        assert_equal(np.asarray(d.addressable_shards[0].data), want, "replicated ids")
+        good = make_ids(rng, R * 3, 2, t.total_entries, special=False)
+        d, _ = t.lookup_global(sharded(good), mode="checked")
+        assert_equal(d, np.concatenate([np.asarray(_ref_lookup(x.reshape(R, N, H), b, mode="fill")[0])
+                                        for b in np.split(good, R)]), "checked mode, valid ids")
+        bad = good.copy()
+        bad[R * 3 - 1, 1] = t.total_entries + 3  # last rank's last token
+        try:
+            jax.block_until_ready(t.lookup_global(sharded(bad), mode="checked"))
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            assert "out of range" in msg and f"id {t.total_entries + 3}" in msg and "flat position 5" in msg, msg
+        else:
+            # Only the process holding the last rank sees the error.
+            assert all(d.id != DEVS[-1].id for d in jax.local_devices()), "checked mode did not raise"
+
+
+# ------------------------------------------------------------------------------------------------ end
+print(f"checks: {sum(CHECKS.values())}/{len(CHECKS)} passed", flush=True)
+emit_result({"checks": CHECKS, "devices": R, "nodes": NODES, "processes": jax.process_count()})
+shutdown()
+sys.exit(0 if all(CHECKS.values()) else 1)
