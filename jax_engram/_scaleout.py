@@ -99,6 +99,10 @@ class HierContext:
     def graph_captures(self) -> dict:
         return self.inner.graph_captures()
 
+    def dispatch_path(self, **kw) -> str:
+        """How the intra-node leg of ``dispatch`` moves rows (see ``Context.dispatch_path``)."""
+        return self.inner.dispatch_path(**kw)
+
     def region(self, *a, **k):
         raise NotImplementedError("jax_engram: a hierarchical (node, local) context has no symmetric memory of its "
                                   "own; Engram tables and EP buffers live in its per-node inner context "
@@ -335,3 +339,470 @@ def _checked(ctx, ids, total, after):
 
     st = io_callback(cb, jax.ShapeDtypeStruct((), jnp.int32), any_bad, pos, flat[pos], rank, dep[0])
     return jnp.where(any_bad, pos, st)
+
+
+# ---------------------------------------------------------------------------------------------------- EP
+def _ep():
+    from jax_engram import ep
+
+    return ep
+
+
+@functools.lru_cache(maxsize=None)
+def _handle_class():
+    ep = _ep()
+    base_fields = ep._HANDLE_FIELDS
+
+    @jax.tree_util.register_pytree_node_class
+    class HierEPHandle(ep.EPHandle):
+        """The EPHandle of a dispatch over a :class:`HierContext`. The flat fields hold the flat-path values
+        over the global ranks (``dst_row`` included); ``inner`` is the intra-node dispatch's handle and the
+        other extra arrays map rows between the intra-node layout and the flat one."""
+
+        hierarchical = True
+        EXTRA = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
+
+        def __init__(self, config, **arrays):
+            super().__init__(config, **{k: v for k, v in arrays.items() if k in base_fields})
+            for f in self.EXTRA:
+                setattr(self, f, arrays.get(f))
+
+        def tree_flatten(self):
+            base, cfg = super().tree_flatten()
+            return tuple(base) + tuple(getattr(self, f) for f in self.EXTRA), cfg
+
+        @classmethod
+        def tree_unflatten(cls, config, children):
+            n = len(base_fields)
+            return cls(config, **dict(zip(base_fields, children[:n])), **dict(zip(cls.EXTRA, children[n:])))
+
+        def replace(self, **arrays):
+            d = {f: getattr(self, f) for f in base_fields + self.EXTRA}
+            d.update(arrays)
+            return HierEPHandle(self.config, **d)
+
+    return HierEPHandle
+
+
+def _geometry(cfg):
+    ctx = cfg.ctx
+    Nn, L, R = ctx.num_nodes, ctx.local_size, ctx.num_ranks
+    K, N, M = cfg.topk, cfg.num_tokens, cfg.max_tokens_per_rank
+    S = min(K, L)
+    return Nn, L, R, K, N, M, S, cfg.num_local_experts, Nn * N * S
+
+
+def _routing(cfg, topk):
+    """Per top-k entry: valid, owner global rank, owner node, owner local rank (masked entries: -1 / 0)."""
+    E, E_loc, L = cfg.num_experts, cfg.num_local_experts, cfg.ctx.local_size
+    valid = (topk >= 0) & (topk < E)
+    orank = jnp.where(valid, topk // E_loc, -1)
+    onode = jnp.where(valid, orank // L, -1)
+    oloc = jnp.where(valid, orank % L, -1)
+    return valid, orank, onode, oloc
+
+
+def _slots(valid, onode, oloc, node, L, S):
+    """For tokens [..., K] and a node: hit[..., i] (rank i of that node holds one of the token's experts),
+    slot_k[..., k] (slot of entry k's rank among the token's hit ranks of that node, ascending rank), and
+    rank_of_slot[..., s] (-1 when the token has fewer hit ranks)."""
+    li = jnp.where(valid & (onode == node), oloc, -1)
+    hit = jnp.any(li[..., :, None] == jnp.arange(L, dtype=jnp.int32), axis=-2)           # [..., L]
+    slot_of = jnp.cumsum(hit.astype(jnp.int32), axis=-1) - 1
+    slot_k = jnp.take_along_axis(slot_of, jnp.maximum(li, 0), axis=-1)
+    slot_k = jnp.where(li >= 0, slot_k, -1)
+    ranks = jnp.arange(L, dtype=jnp.int32)
+    sel = hit[..., None, :] & (slot_of[..., None, :] == jnp.arange(S, dtype=jnp.int32)[:, None])  # [..., S, L]
+    rank_of_slot = jnp.max(jnp.where(sel, ranks, -1), axis=-1)
+    return li, slot_k, rank_of_slot
+
+
+def _forward(ctx, a, Nn):
+    """[N, ...] -> [Nn, N, ...]: this rank's tokens to the same-rail rank of every node (static capacity N per
+    node) ; returns, per source node a, the tokens of (a, my local index)."""
+    return ctx.node_all_to_all(jnp.broadcast_to(a[None], (Nn,) + a.shape))
+
+
+def _inner_tokens(cfg, fwd_topk):
+    """On the forwarding rank: the intra-node routing of the forwarded tokens [Nn, N, K] (global expert ids),
+    split into one intra-node token per destination rank of this node: [Nn*N*S, K] node-local expert ids."""
+    ctx = cfg.ctx
+    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    b = ctx.node_index()
+    valid, orank, onode, oloc = _routing(cfg, fwd_topk)
+    li, _, rank_of_slot = _slots(valid, onode, oloc, b, L, S)                 # [Nn,N,K], [Nn,N,S]
+    mine = (li[..., None, :] == rank_of_slot[..., :, None]) & (rank_of_slot[..., :, None] >= 0)  # [Nn,N,S,K]
+    itopk = jnp.where(mine, (fwd_topk - b * (L * E_loc))[..., None, :], -1)
+    # Routing the flat op refuses (an id >= num_experts, a duplicate expert) must fail on every node: such a
+    # token carries an invalid node-local id to every node's intra-node dispatch.
+    srt = jnp.sort(jnp.where(fwd_topk >= 0, fwd_topk, -1 - jnp.arange(K, dtype=jnp.int32)), axis=-1)
+    bad = jnp.any(fwd_topk >= cfg.num_experts, axis=-1) | jnp.any(srt[..., 1:] == srt[..., :-1], axis=-1)
+    first = (jnp.arange(S)[:, None] == 0) & (jnp.arange(K)[None, :] == 0)
+    itopk = jnp.where(bad[..., None, None], jnp.where(first, L * E_loc, -1), itopk)
+    return itopk.reshape(Nn * N * S, K).astype(jnp.int32)
+
+
+def _split(a, S):
+    """[Nn, N, ...] forwarded rows -> [Nn*N*S, ...] (one copy per intra-node token)."""
+    return jnp.broadcast_to(a[:, :, None], a.shape[:2] + (S,) + a.shape[2:]).reshape((-1,) + a.shape[2:])
+
+
+def _maps(cfg, inner):
+    """Row maps between the intra-node receive layout (rows ordered by forwarding rank, source node, token) and
+    the flat one (source rank, token), from the inner handle; plus the flat handle fields."""
+    ctx = cfg.ctx
+    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    i32 = jnp.int32
+    meta = inner.recv_src_metadata                                          # [L*Mi, K+2]
+    RT = meta.shape[0]
+    num_recv = inner.num_recv_tokens
+    rvalid = jnp.arange(RT, dtype=i32) < num_recv
+    ig = jnp.maximum(meta[:, 0], 0)
+    jj, tt = ig // Mi, ig % Mi
+    a, t = tt // (N * S), (tt // S) % N
+    fsrc = a * L + jj
+    fg = jnp.where(rvalid, fsrc * M + t, R * M)
+    present = jnp.zeros((R * M + 1,), i32).at[fg].set(1)[:R * M]
+    pos = jnp.cumsum(present) - 1
+    inner_tok_flat = jnp.where(rvalid, pos[jnp.minimum(fg, R * M - 1)], R * M)   # flat token row of inner row
+    tok_src = jnp.zeros((R * M,), i32).at[inner_tok_flat].set(jnp.arange(RT, dtype=i32), mode="drop")
+    counts = jnp.zeros((R + 1,), i32).at[jnp.where(rvalid, fsrc, R)].add(1)[:R]
+    psum_rank = jnp.cumsum(counts).astype(i32)
+    mk = meta[tok_src]
+    flat_meta_k = mk[:, 2:]
+    row_src = inner_row_flat = None
+    if cfg.expand:
+        rows_f, rows_i = cfg.rows, _ep().expand_rows(L, Mi, K, E_loc, cfg.expert_alignment)
+        starts = inner.psum_num_recv_tokens_per_expert - inner.num_unaligned_recv_tokens_per_expert
+        unal = inner.num_unaligned_recv_tokens_per_expert
+        q = meta[:, 2:]
+        qv = (q >= 0) & rvalid[:, None]
+        e = jnp.clip(jnp.searchsorted(starts, q, side="right") - 1, 0, E_loc - 1)
+        big = E_loc * R * M
+        key = jnp.where(qv, e * (R * M) + fg[:, None], big).reshape(-1)
+        order = jnp.argsort(key, stable=True)
+        p = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(q.shape)
+        excl = jnp.cumsum(unal) - unal
+        flat_q = jnp.where(qv, starts[e] + p - excl[e], -1).astype(i32)           # flat expand row of (row, k)
+        row_src = jnp.arange(rows_f, dtype=i32).at[jnp.where(qv, flat_q, rows_f)].set(q, mode="drop")
+        row_src = jnp.minimum(row_src, rows_i - 1)
+        inner_row_flat = jnp.zeros((rows_i,), i32).at[jnp.where(qv, q, rows_i)].set(flat_q, mode="drop")
+        flat_meta_k = flat_q[tok_src]
+    fvalid = jnp.arange(R * M, dtype=i32) < num_recv
+    col0 = jnp.where(fvalid, fg[tok_src], -1)
+    col1 = jnp.where(fvalid, fsrc[tok_src] * K + mk[:, 1] % K, -1)
+    flat_meta = jnp.concatenate([col0[:, None], col1[:, None], jnp.where(fvalid[:, None], flat_meta_k, -1)],
+                                axis=1).astype(i32)
+    return dict(tok_src=tok_src, row_src=row_src, inner_tok_flat=inner_tok_flat, inner_row_flat=inner_row_flat,
+                recv_src_metadata=flat_meta, psum_num_recv_tokens_per_rank=psum_rank)
+
+
+def _dst_row(cfg, topk):
+    """dst_row [N, R]: row of each of my tokens in every rank's flat non-expand layout (the exclusive prefix of
+    the lower ranks' counts comes from a small all_gather of per-rank counts)."""
+    ctx = cfg.ctx
+    R = ctx.num_ranks
+    valid, orank, _, _ = _routing(cfg, topk)
+    hits = jnp.any(orank[:, :, None] == jnp.arange(R, dtype=jnp.int32), axis=1)       # [N, R]
+    h = hits.astype(jnp.int32)
+    allc = jax.lax.all_gather(ctx.varying(jnp.sum(h, axis=0)), ctx.axis_name)        # [R src, R dst]
+    me = ctx.node_index() * ctx.local_size + ctx.local_index()
+    base = jnp.sum(jnp.where(jnp.arange(R)[:, None] < me, allc, 0), axis=0)
+    return jnp.where(hits, base[None] + jnp.cumsum(h, axis=0) - h, -1).astype(jnp.int32)
+
+
+def _flat_rows(cfg, h, a, token_layout: bool):
+    """Gather an intra-node receive array into the flat layout (token rows or expand rows)."""
+    idx = h.tok_src if (token_layout or not cfg.expand) else h.row_src
+    return a[idx]
+
+
+def _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
+    ep = _ep()
+    ctx = cfg.ctx
+    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    fx, ftopk = _forward(ctx, x, Nn), _forward(ctx, topk, Nn)
+    itopk = _inner_tokens(cfg, ftopk)
+    iw = None if w is None else _split(_forward(ctx, w, Nn), S)
+    isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
+    res = ep.dispatch(_split(fx, S), itopk, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
+                      expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
+                      x_scales=isf, num_sms=cfg.num_sms or None, token=token)
+    inner = res.handle
+    maps = _maps(cfg, inner)
+    Hc = _handle_class()
+    h = Hc(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
+           psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
+           num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
+           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
+           recv_topk_idx=None if cfg.expand else res.recv_topk_idx[maps["tok_src"]], **maps)
+    recv_x = _flat_rows(cfg, h, res.recv_x, False)
+    recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
+    recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
+    return recv_x, recv_sf, recv_w, h
+
+
+def _cached_impl(cfg, zero_padding, x, w, sf, h, token):
+    ep = _ep()
+    ctx = cfg.ctx
+    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    ix = _split(_forward(ctx, x, Nn), S)
+    iw = None if w is None else _split(_forward(ctx, w, Nn), S)
+    isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
+    res = ep.dispatch(ix, None, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
+                      expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
+                      x_scales=isf, handle=h.inner, num_sms=cfg.num_sms or None, token=token)
+    recv_x = _flat_rows(cfg, h, res.recv_x, False)
+    recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
+    recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
+    return recv_x, recv_sf, recv_w, res.token
+
+
+def _combine_impl(cfg, y, w, biases, h, token):
+    """Exact hierarchical combine: intra-node combine of one-rank tokens (no sums across ranks), one row per
+    (token, destination rank) back to the source node, then the flat fold (fp32, bias first, ascending master
+    top-k position)."""
+    ep = _ep()
+    ctx = cfg.ctx
+    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    imap = h.inner_row_flat if cfg.expand else h.inner_tok_flat
+    yi = y[jnp.minimum(imap, y.shape[0] - 1)]
+    wi = None if w is None else w[jnp.minimum(imap, w.shape[0] - 1)]
+    cx, cw, t = ep.combine(yi, h.inner, topk_weights=wi, token=token, return_token=True)
+    back = ctx.node_all_to_all(cx.reshape(Nn, N, S, -1))                     # [Nn (dest node), N, S, H]
+    topk = h.topk_idx
+    valid, orank, onode, oloc = _routing(cfg, topk)
+    # slot of entry k's rank within its node (the forwarding rank numbered them the same way)
+    slot_k = jnp.zeros(topk.shape, jnp.int32)
+    for n in range(Nn):
+        _, sk, _ = _slots(valid, onode, oloc, n, L, S)
+        slot_k = jnp.where(onode == n, sk, slot_k)
+    later_same = (orank[:, :, None] == orank[:, None, :]) & valid[:, None, :] & \
+        (jnp.arange(K)[None, None, :] > jnp.arange(K)[None, :, None])
+    is_master = valid & ~jnp.any(later_same, axis=-1)                        # [N, K]
+    tidx = jnp.arange(N)[:, None]
+    rows = back[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0)]         # [N, K, H]
+    f32 = jnp.float32
+    acc = jnp.full((N, y.shape[1]), -0.0, f32)
+    for b in biases:
+        acc = acc + b.astype(f32)
+    for k in range(K):
+        acc = acc + jnp.where(is_master[:, k, None], rows[:, k].astype(f32), jnp.array(-0.0, f32))
+    has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((N,), bool)
+    out = jnp.where(has_term[:, None], acc, 0.0).astype(y.dtype)
+    out_w = None
+    if w is not None:
+        bw = ctx.node_all_to_all(cw.reshape(Nn, N, S, K))
+        kk = jnp.arange(K)[None, :]
+        out_w = jnp.where(valid, bw[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0), kk], 0.0).astype(f32)
+    return out, out_w, t
+
+
+# ----------------------------------------------------------------------------------------------- autodiff
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_p(cfg, zero_padding, x, w, sf, topk, token):
+    return _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token)
+
+
+def _dispatch_fwd(cfg, zero_padding, x, w, sf, topk, token):
+    out = _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token)
+    return out, (out[3], x, w, token)
+
+
+def _combine_ct(cfg, g_x, g_w, x_like_rows_dtype):
+    ep = _ep()
+    g = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
+    return g
+
+
+def _dispatch_bwd(cfg, zero_padding, saved, g):
+    ep = _ep()
+    h, x, w, token = saved
+    g_x, _, g_w, g_h = g
+    g_x = ep._float_ct(g_x, jnp.zeros((cfg.rows, x.shape[1]), x.dtype))
+    y = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
+    gw = None
+    if w is not None:
+        gw = ep._float_ct(g_w, jnp.zeros((cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk), jnp.float32))
+    g_tok = ep._float_ct(g_h.token, token)
+    dx, dw, t = _combine_impl(cfg, cfg.ctx.varying(y), None if gw is None else cfg.ctx.varying(gw), (), h,
+                              cfg.ctx.varying(g_tok.astype(jnp.float32)))
+    dx = None if ep._is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
+    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+    return dx, dw, None, None, tok_ct
+
+
+_dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cached_p(cfg, zero_padding, x, w, sf, h, token):
+    return _cached_impl(cfg, zero_padding, x, w, sf, h, token)
+
+
+def _cached_fwd(cfg, zero_padding, x, w, sf, h, token):
+    return _cached_impl(cfg, zero_padding, x, w, sf, h, token), (h, x, w, token)
+
+
+def _cached_bwd(cfg, zero_padding, saved, g):
+    ep = _ep()
+    h, x, w, token = saved
+    g_x, _, g_w, g_tok = g
+    g_x = ep._float_ct(g_x, jnp.zeros((cfg.rows, x.shape[1]), x.dtype))
+    y = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
+    gw = None
+    if w is not None:
+        gw = ep._float_ct(g_w, jnp.zeros((cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk), jnp.float32))
+    g_tok = ep._float_ct(g_tok, token)
+    dx, dw, t = _combine_impl(cfg, cfg.ctx.varying(y), None if gw is None else cfg.ctx.varying(gw), (), h,
+                              cfg.ctx.varying(g_tok.astype(jnp.float32)))
+    dx = None if ep._is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
+    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+    return dx, dw, None, jax.tree_util.tree_map(lambda _: None, h), tok_ct
+
+
+_cached_p.defvjp(_cached_fwd, _cached_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_p(cfg, y, w, biases, h, token):
+    return _combine_impl(cfg, y, w, biases, h, token)
+
+
+def _combine_fwd(cfg, y, w, biases, h, token):
+    return _combine_impl(cfg, y, w, biases, h, token), (y, w, biases, h, token)
+
+
+def _combine_bwd(cfg, saved, g):
+    ep = _ep()
+    y, w, biases, h, token = saved
+    g_x, g_w, g_tok = g
+    N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
+    ctx = cfg.ctx
+    g_x = ctx.varying(ep._float_ct(g_x, jnp.zeros((N, H), y.dtype)))
+    g_tok = ep._float_ct(g_tok, token)
+    gw = None if w is None else ctx.varying(ep._float_ct(g_w, jnp.zeros((N, K), jnp.float32)))
+    dy, _, dw, t = _cached_impl(cfg, cfg.expand, g_x, gw, None, h, ctx.varying(g_tok.astype(jnp.float32)))
+    valid = ep._valid_rows(cfg, h.psum_num_recv_tokens_per_rank[-1], h.psum_num_recv_tokens_per_expert,
+                           h.num_unaligned_recv_tokens_per_expert)
+    dy = jnp.where(valid[:, None], dy, jnp.zeros((), dy.dtype))
+    if w is not None:
+        dw = jnp.where(valid, dw, 0.0) if cfg.expand else jnp.where(valid[:, None] & (h.recv_topk_idx >= 0), dw, 0.0)
+    db = tuple(g_x.astype(b.dtype) for b in biases)
+    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+    return dy, dw, db, jax.tree_util.tree_map(lambda _: None, h), tok_ct
+
+
+_combine_p.defvjp(_combine_fwd, _combine_bwd)
+
+
+# ------------------------------------------------------------------------------------------- entry points
+def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank, expand, expert_alignment,
+             zero_padding, x_scales, handle, num_sms, token):
+    """``jax_engram.dispatch`` over a :class:`HierContext` (same arguments and results as the flat op)."""
+    from jax_engram import _call
+
+    ep = _ep()
+    _call.check_axis(ctx, "dispatch")
+    R = ctx.num_ranks
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"jax_engram.dispatch: x must be [num_tokens, hidden], got shape {x.shape}")
+    N, H = x.shape
+    E = ep._check_int("num_experts", num_experts, 1)
+    M = ep._check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+    A = ep._check_int("expert_alignment", expert_alignment, 1)
+    sms = 0 if num_sms is None else ep._check_int("num_sms", num_sms, 0)
+    expand, zero_padding = bool(expand), bool(zero_padding)
+    if E % R != 0:
+        raise ValueError(f"jax_engram.dispatch: num_experts={E} must be a multiple of the {R} ranks of the "
+                         f"group {ctx.axis_name!r}")
+    if N > M:
+        raise ValueError(f"jax_engram.dispatch: x has {N} tokens but max_tokens_per_rank={M}")
+    if zero_padding and not expand:
+        raise ValueError("jax_engram.dispatch: zero_padding requires expand=True")
+    if x_scales is not None:
+        x_scales = jnp.asarray(x_scales)
+        if x_scales.ndim != 2 or x_scales.shape[0] != N:
+            raise ValueError(f"jax_engram.dispatch: x_scales must be [N={N}, P], got shape {x_scales.shape}")
+    if handle is not None:
+        if not getattr(handle, "hierarchical", False):
+            raise TypeError("jax_engram.dispatch: handle must be the handle of a dispatch over this hierarchical "
+                            f"context, got {type(handle).__name__}")
+        c = handle.config
+        mism = [(n, a, b) for n, a, b in (("ctx", c.ctx, ctx), ("num_experts", c.num_experts, E),
+                                          ("max_tokens_per_rank", c.max_tokens_per_rank, M),
+                                          ("expand", c.expand, expand), ("expert_alignment", c.expert_alignment, A),
+                                          ("num_tokens", c.num_tokens, N)) if a is not b and a != b]
+        if mism:
+            raise ValueError("jax_engram.dispatch: the handle comes from a dispatch with a different "
+                             + ", ".join(f"{n} (handle {a!r}, here {b!r})" for n, a, b in mism))
+        cfg = dataclasses.replace(c, num_sms=sms)
+        K = c.topk
+    else:
+        if topk_idx is None:
+            raise ValueError("jax_engram.dispatch: topk_idx is required (or pass handle= to replay a layout)")
+        topk_idx = jnp.asarray(topk_idx)
+        if topk_idx.ndim != 2 or topk_idx.shape[0] != N:
+            raise ValueError(f"jax_engram.dispatch: topk_idx must be [N={N}, K], got shape {topk_idx.shape}")
+        K = topk_idx.shape[1]
+        if not 1 <= K <= ep.MAX_TOPK:
+            raise ValueError(f"jax_engram.dispatch: top-k = {K} must be in [1, {ep.MAX_TOPK}]")
+        cfg = ep._Config(ctx, R, E, M, N, K, expand, A, sms)
+    if topk_weights is not None:
+        topk_weights = jnp.asarray(topk_weights)
+        if topk_weights.shape != (N, K) or topk_weights.dtype != jnp.float32:
+            raise ValueError(f"jax_engram.dispatch: topk_weights must be float32 [N, K] = {(N, K)}, got "
+                             f"{topk_weights.dtype}{list(topk_weights.shape)}")
+    v = ctx.varying
+    x = v(x)
+    w = None if topk_weights is None else v(topk_weights)
+    sf = None if x_scales is None else v(x_scales)
+    if token is None and handle is not None:
+        token = handle.token
+    tok = v(jnp.zeros((), jnp.float32) if token is None else jnp.asarray(token).astype(jnp.float32))
+    if handle is None:
+        topk = v(topk_idx.astype(jnp.int32))
+        recv_x, recv_sf, recv_w, h = _dispatch_p(cfg, zero_padding, x, w, sf, topk, tok)
+    else:
+        recv_x, recv_sf, recv_w, t = _cached_p(cfg, zero_padding, x, w, sf, handle, tok)
+        h = handle.replace(token=t)
+        h.config = cfg
+    return ep.DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
+                             h.group_sizes, h, h.token)
+
+
+def combine(y, handle, *, topk_weights=None, bias=None, token=None, return_token: bool = False):
+    """``jax_engram.combine`` of a hierarchical dispatch (same arguments and results as the flat op)."""
+    from jax_engram import _call
+
+    ep = _ep()
+    cfg = handle.config
+    ctx = cfg.ctx
+    _call.check_axis(ctx, "combine")
+    y = jnp.asarray(y)
+    if y.ndim != 2 or y.shape[0] != cfg.rows:
+        raise ValueError(f"jax_engram.combine: y must be [{cfg.rows}, hidden] (the receive layout of the handle's "
+                         f"dispatch), got shape {y.shape}")
+    if not ep._is(y.dtype, ep._COMBINE_DTYPES):
+        raise TypeError(f"jax_engram.combine: y must be bfloat16 (or float32), got {y.dtype}")
+    N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
+    w = None
+    if topk_weights is not None:
+        w = jnp.asarray(topk_weights)
+        want = (cfg.rows,) if cfg.expand else (cfg.token_rows, K)
+        if w.shape != want or w.dtype != jnp.float32:
+            raise ValueError(f"jax_engram.combine: topk_weights must be float32 {list(want)}, got {w.dtype}"
+                             f"{list(w.shape)}")
+        w = ctx.varying(w)
+    biases = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    if len(biases) > 2:
+        raise ValueError(f"jax_engram.combine: at most two bias arrays, got {len(biases)}")
+    for i, b in enumerate(biases):
+        if jnp.shape(b) != (N, H) or jnp.asarray(b).dtype != y.dtype:
+            raise ValueError(f"jax_engram.combine: bias[{i}] must be [N, H] = {(N, H)} of y's dtype")
+    biases = tuple(ctx.varying(b) for b in biases)
+    tok = ctx.varying(jnp.asarray(handle.token if token is None else token).astype(jnp.float32))
+    cx, cw, t = _combine_p(cfg, ctx.varying(y), w, biases, handle, tok)
+    out = (cx, cw)
+    return out + (t,) if return_token else out

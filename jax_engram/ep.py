@@ -499,6 +499,12 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     num_recv_tokens, group_sizes, handle, token).
     """
+    if getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
+        from jax_engram import _scaleout
+        return _scaleout.dispatch(x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts,
+                                  max_tokens_per_rank=max_tokens_per_rank, expand=expand,
+                                  expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
+                                  handle=handle, num_sms=num_sms, token=token)
     _call.check_axis(ctx, "dispatch")
     del deterministic  # always satisfied: see the module docstring
     R = ctx.num_ranks
@@ -617,6 +623,10 @@ def combine(y, handle: EPHandle, *, topk_weights=None, bias=None, token=None, re
     if not isinstance(handle, EPHandle):
         raise TypeError(f"jax_engram.combine: handle must be the EPHandle of the dispatch it reverses, got "
                         f"{type(handle).__name__}")
+    if getattr(handle, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
+        from jax_engram import _scaleout
+        return _scaleout.combine(y, handle, topk_weights=topk_weights, bias=bias, token=token,
+                                 return_token=return_token)
     cfg = handle.config
     ctx = cfg.ctx
     _call.check_axis(ctx, "combine")

@@ -31,6 +31,8 @@ ap.add_argument("--cases", default="")
 ap.add_argument("--timeout", type=float, default=120.0)
 ap.add_argument("--cuda-graphs", action="store_true", help="create the context with cuda_graphs=True")
 ap.add_argument("--wide-only", action="store_true", help="only the cases marked wide (for 4+ ranks)")
+ap.add_argument("--nodes", type=int, default=0, help="hierarchical EP group: a (nodes, R/nodes) mesh with axes "
+                "(\"node\", \"gpu\") and je.init(mesh, (\"node\", \"gpu\")) (suites cases, cache, gradne)")
 ap.add_argument("--ref-dir", default="", help="share reference results between processes / runs (process 0 "
                 "computes, the others wait for its files); default: every process computes its own")
 args = ap.parse_args()
@@ -77,8 +79,14 @@ def check(name, fn):
 
 devices = jax.devices()
 R = len(devices)
-mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
-SPEC = P("ep")
+if args.nodes:
+    AX = ("node", "gpu")
+    mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(args.nodes, -1),
+                             AX, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+else:
+    AX = "ep"
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+SPEC = P(AX)
 
 
 def shard(full):
@@ -731,7 +739,7 @@ SUITES = {"cases": suite_cases, "quick": suite_quick, "cache": suite_cache, "err
 want = args.suite.split(",")
 if "full" in want:
     want = ["cases", "cache", "gradne", "grad", "lanes", "errors"]
-ctx = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
+ctx = je.init(mesh, AX, timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
 dispatch_path = None
 graph_captures = None
 try:
@@ -755,6 +763,6 @@ print(f"SUMMARY ep_check: {len(results) - len(failed)} passed, {len(failed)} fai
       flush=True)
 launch.emit_result({"checks": results, "devices": R, "processes": jax.process_count(),
                     "platform": devices[0].platform, "dispatch_path": dispatch_path,
-                    "graph_captures": graph_captures})
+                    "graph_captures": graph_captures, "hierarchical": bool(getattr(ctx, "hierarchical", False))})
 launch.shutdown()
 sys.exit(0 if all(results.values()) and results else 1)
