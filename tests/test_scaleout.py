@@ -1,8 +1,12 @@
-"""Hierarchical (node, local) EP groups (issue: scale-out): every result bit-exact against the flat semantics
-(jax_engram.reference over the same global ranks). The checks live in tests/workers/scaleout_check.py.
+"""Hierarchical (node, local) EP groups (issue 23): every result bit-exact with the flat path over the same global
+ranks. Engram and the MoE-layer gradients are checked in tests/workers/scaleout_check.py (Engram against the
+reference semantics, gradients bit for bit against a flat context on the same devices); dispatch, cached
+dispatch, combine, counts, metadata and dst_row run the EP cases of tests/workers/ep_check.py on a
+("node", "gpu") mesh (--nodes).
 
-Layouts: 1 process x 4 CPU devices as 2 nodes x 2; 2 processes x 2 CPU devices as 2 x 2 (a node = a
-process); 4 processes as 4 nodes x 1; 3 nodes x 1 (non power of two).
+Layouts: 1 process x 4 CPU devices as 2 nodes x 2; 2 processes x 2 CPU devices as 2 x 2 (a node = a process);
+4 processes as 4 nodes x 1; 3 nodes x 1 (non power of two, one process x 3 CPU devices). Each layout runs a
+share of the cases so that the file stays within a few minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ import pytest
 
 from conftest import REPO_ROOT, WORKERS_DIR
 
-WORKER = str(WORKERS_DIR / "scaleout_check.py")
+SCALEOUT = str(WORKERS_DIR / "scaleout_check.py")
+EP = str(WORKERS_DIR / "ep_check.py")
+
+
+@pytest.fixture(scope="session")
+def ref_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("scaleout_ep_reference"))
 
 
 def _assert_all_pass(results, min_checks=1):
@@ -25,16 +35,75 @@ def _assert_all_pass(results, min_checks=1):
         assert len(res["checks"]) >= min_checks, f"rank {r}: only {len(res['checks'])} checks ran"
 
 
-def _run_single(args, timeout=600):
+def _run_single(worker, args, timeout=600):
     e = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, WORKER, "--platform", "cpu", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, worker, "--platform", "cpu", *args], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=str(REPO_ROOT))
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
     return [json.loads(lines[-1][7:])]
 
 
-def test_one_process_2_nodes_x_2():
-    res = _run_single(["--cpu-devices", "4", "--nodes", "2"])
+def test_one_process_2_nodes_x_2_engram_and_moe_grads():
+    res = _run_single(SCALEOUT, ["--cpu-devices", "4", "--nodes", "2"])
     assert res[0]["devices"] == 4 and res[0]["nodes"] == 2
-    _assert_all_pass(res, min_checks=7)
+    _assert_all_pass(res, min_checks=8)
+    assert "ep_moe_layer_grads_bit_exact_vs_flat" in res[0]["checks"]
+
+
+def test_one_process_2_nodes_x_2_ep(ref_dir):
+    res = _run_single(EP, ["--cpu-devices", "4", "--nodes", "2", "--suite", "cases,cache,gradne", "--ref-dir", ref_dir,
+                           "--cases", "expand_e8_k8_a128_zp_unbal_bias2,nonexpand_e64_k1_fp8_p1_bias2,"
+                                      "expand_e8_k8_fp8_p4_a128_zp,nonexpand_f32"])
+    assert res[0]["hierarchical"] and res[0]["devices"] == 4
+    _assert_all_pass(res, min_checks=6)
+    for name in ("case_expand_e8_k8_a128_zp_unbal_bias2", "case_nonexpand_e64_k1_fp8_p1_bias2",
+                 "case_expand_e8_k8_fp8_p4_a128_zp", "jit_cache_hit_when_token_count_changes",
+                 "grad_nonexpand_dispatch_combine"):
+        assert name in res[0]["checks"], name
+
+
+def test_two_processes_2_nodes_x_2(launch, ref_dir):
+    res = launch(2, SCALEOUT, args=("--nodes", "2", "--suite", "engram"), platform="cpu", devices_per_process=2,
+                 timeout=600)
+    assert len(res) == 2 and all(r["devices"] == 4 and r["processes"] == 2 for r in res)
+    _assert_all_pass(res, min_checks=5)
+    res = launch(2, EP, args=("--nodes", "2", "--suite", "cases", "--ref-dir", ref_dir,
+                              "--cases", "expand_f16_e8_k8_a1_bias1,nonexpand_h7168"),
+                 platform="cpu", devices_per_process=2, timeout=600)
+    assert all(r["hierarchical"] for r in res)
+    _assert_all_pass(res, min_checks=2)
+
+
+def test_four_processes_4_nodes_x_1(launch, ref_dir):
+    res = launch(4, EP, args=("--nodes", "4", "--suite", "cases", "--ref-dir", ref_dir,
+                              "--cases", "expand_e8_k8_a128_zp_unbal_bias2"), platform="cpu", timeout=600)
+    assert len(res) == 4 and all(r["hierarchical"] and r["processes"] == 4 for r in res)
+    _assert_all_pass(res, min_checks=1)
+
+
+def test_three_nodes_x_1(ref_dir):
+    res = _run_single(SCALEOUT, ["--cpu-devices", "3", "--nodes", "3", "--suite", "engram",
+                                 "--only", "context,float8,replicated_ids_and_checked"])
+    _assert_all_pass(res, min_checks=3)
+    res = _run_single(EP, ["--cpu-devices", "3", "--nodes", "3", "--suite", "cases", "--ref-dir", ref_dir,
+                           "--cases", "expand_e8_k8_a128_zp_unbal_bias2"])
+    assert res[0]["hierarchical"] and res[0]["devices"] == 3
+    _assert_all_pass(res, min_checks=1)
+
+
+def test_flat_axis_and_one_element_tuple_keep_the_flat_path():
+    code = """
+import jax, numpy as np
+jax.config.update("jax_platforms", "cpu"); jax.config.update("jax_num_cpu_devices", 2)
+import jax_engram as je
+from jax_engram.context import Context
+mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+for ax in ("ep", ("ep",)):
+    with je.init(mesh, ax) as c:
+        assert type(c) is Context and c.axis_name == "ep" and "hierarchical" not in c.info(), c
+print("OK")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT),
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
