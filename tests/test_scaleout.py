@@ -107,3 +107,22 @@ print("OK")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT),
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_bench_scaleout_runs_on_cpu(tmp_path):
+    # the benchmark's plumbing: flat, hierarchical, inter-node leg, bare collective, intra-node leg, ratios, JSON
+    out = tmp_path / "scaleout.json"
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_scaleout.py"), "--tokens", "8",
+                        "--hidden", "256", "--experts", "16", "--ids", "8", "--engram-hidden", "64", "--entries", "64",
+                        "--loop", "2", "--iters", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=str(REPO_ROOT),
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "inter-node leg / bare all_to_all" in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["moe dispatch+combine", "engram lookup"], rows
+    for r in rows:
+        for k in ("flat_us", "hier_us", "inter_us", "bare_us", "intra_us", "hier_over_flat", "inter_over_bare",
+                  "hier_over_inter_plus_intra"):
+            assert r[k] > 0, (k, r)
+        assert r["inter_bytes_per_rank"] > 0
