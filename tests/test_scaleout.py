@@ -126,3 +126,19 @@ def test_bench_scaleout_runs_on_cpu(tmp_path):
                   "hier_over_inter_plus_intra"):
             assert r[k] > 0, (k, r)
         assert r["inter_bytes_per_rank"] > 0
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_flat_axis_spanning_hosts_fails_at_init_and_names_the_2d_group(platform):
+    # Context._check_hosts on a stand-in context whose one group has devices of two processes on two hosts.
+    import types
+
+    from jax_engram.context import Context
+
+    dev = lambda p: types.SimpleNamespace(process_index=p)  # noqa: E731
+    stub = types.SimpleNamespace(
+        platform=platform, axis_name="ep", process_ids=[0, 1], _groups=[[dev(0), dev(1)]],
+        _native=types.SimpleNamespace(host_id=lambda: "host-a"),
+        _exchange=types.SimpleNamespace(allgather=lambda name, local, want: {"0": "host-a", "1": "host-b"}))
+    with pytest.raises(NotImplementedError, match=r"spans 2 hosts.*2-D \(node, local\)"):
+        Context._check_hosts(stub)

@@ -297,7 +297,7 @@ if "ep" in args.suite:
     @check("ep_moe_layer_grads_bit_exact_vs_flat")
     def _():
         rng = np.random.default_rng(7)
-        E, H, F, M = 2 * R, 16, 24, 8
+        E, H, F, M = max(2 * R, 4), 16, 24, 8
         params = {"router": rng.standard_normal((H, E)).astype(np.float32),
                   "w_up": (rng.standard_normal((E, H, F)) * 0.3).astype(np.float32),
                   "w_down": (rng.standard_normal((E, F, H)) * 0.3).astype(np.float32)}
