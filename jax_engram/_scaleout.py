@@ -127,7 +127,7 @@ class HierContext:
                   "nodes": self.num_nodes, "ranks_per_node": self.local_size, "node_axes": self.node_axes,
                   "local_axis": self.local_axis, "inter_node_path": self.inter_node_path,
                   "intra_node_path": "jax_engram windows (shared memory)" if self.platform == "cpu"
-                  else "jax_engram windows (NVLink)", "gin": "not available (collective path)",
+                  else "jax_engram windows (NVLink)", "gin": "not implemented (every inter-node byte takes the collective path)",
                   "inner": {"id": self.inner.id, "groups": len(self.inner._groups)}})
         return d
 
@@ -195,7 +195,11 @@ def _engram_table_class():
             from jax_engram import _call
 
             _call.check_axis(self.ctx, "EngramTable.write")
-            if self.num_sf_packs and sf is not None:
+            if self.num_sf_packs and sf is None:
+                raise ValueError(f"jax_engram EngramTable.write: the table has num_sf_packs={self.num_sf_packs}: "
+                                 f"pass sf, the replicated scale-factor table [num_ranks*num_entries, P] = "
+                                 f"[{self.total_entries}, {self.num_sf_packs}]")
+            if self.num_sf_packs:
                 sf = jnp.asarray(sf)
                 if sf.shape != (self.total_entries, self.num_sf_packs):
                     raise ValueError(f"jax_engram EngramTable.write: sf must be the replicated table [num_ranks*"
@@ -589,7 +593,12 @@ def _combine_impl(cfg, y, w, biases, h, token):
     for k in range(K):
         acc = acc + jnp.where(is_master[:, k, None], rows[:, k].astype(f32), jnp.array(-0.0, f32))
     has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((N,), bool)
-    out = jnp.where(has_term[:, None], acc, 0.0).astype(y.dtype)
+    out = jnp.where(has_term[:, None], acc, 0.0)
+    if y.dtype == jnp.bfloat16:
+        # An explicit rounding: XLA may drop a convert pair f32 -> bf16 -> f32 when the caller's f32 math on the
+        # result fuses with it ("excess precision"); the flat op's result comes out of a custom call, rounded.
+        out = jax.lax.reduce_precision(out, exponent_bits=8, mantissa_bits=7)
+    out = out.astype(y.dtype)
     out_w = None
     if w is not None:
         bw = ctx.node_all_to_all(cw.reshape(Nn, N, S, K))
