@@ -135,10 +135,11 @@ def test_flat_axis_spanning_hosts_fails_at_init_and_names_the_2d_group(platform)
 
     from jax_engram.context import Context
 
-    dev = lambda p: types.SimpleNamespace(process_index=p)  # noqa: E731
+    dev = lambda p: types.SimpleNamespace(process_index=p, id=p)  # noqa: E731
+    recs = {str(p): {"host": f"host-{p}", "visible": None, "devices": {str(p): 0}} for p in (0, 1)}
     stub = types.SimpleNamespace(
-        platform=platform, axis_name="ep", process_ids=[0, 1], _groups=[[dev(0), dev(1)]],
-        _native=types.SimpleNamespace(host_id=lambda: "host-a"),
-        _exchange=types.SimpleNamespace(allgather=lambda name, local, want: {"0": "host-a", "1": "host-b"}))
+        platform=platform, axis_name="ep", process_ids=[0, 1], _groups=[[dev(0), dev(1)]], members=[],
+        _native=types.SimpleNamespace(host_id=lambda: "host-0"),
+        _exchange=types.SimpleNamespace(allgather=lambda name, local, want: recs))
     with pytest.raises(NotImplementedError, match=r"spans 2 hosts.*2-D \(node, local\)"):
         Context._check_hosts(stub)
