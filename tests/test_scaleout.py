@@ -53,11 +53,10 @@ def test_one_process_2_nodes_x_2_engram_and_moe_grads():
 
 def test_one_process_2_nodes_x_2_ep(ref_dir):
     res = _run_single(EP, ["--cpu-devices", "4", "--nodes", "2", "--suite", "cases,cache,gradne", "--ref-dir", ref_dir,
-                           "--cases", "expand_e8_k8_a128_zp_unbal_bias2,nonexpand_e64_k1_fp8_p1_bias2,"
-                                      "expand_e8_k8_fp8_p4_a128_zp,nonexpand_f32"])
+                           "--cases", "nonexpand_e64_k1_fp8_p1_bias2,expand_e8_k8_fp8_p4_a128_zp"])
     assert res[0]["hierarchical"] and res[0]["devices"] == 4
-    _assert_all_pass(res, min_checks=6)
-    for name in ("case_expand_e8_k8_a128_zp_unbal_bias2", "case_nonexpand_e64_k1_fp8_p1_bias2",
+    _assert_all_pass(res, min_checks=4)
+    for name in ("case_nonexpand_e64_k1_fp8_p1_bias2",
                  "case_expand_e8_k8_fp8_p4_a128_zp", "jit_cache_hit_when_token_count_changes",
                  "grad_nonexpand_dispatch_combine"):
         assert name in res[0]["checks"], name
@@ -114,7 +113,7 @@ def test_bench_scaleout_runs_on_cpu(tmp_path):
     out = tmp_path / "scaleout.json"
     p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_scaleout.py"), "--tokens", "8",
                         "--hidden", "256", "--experts", "16", "--ids", "8", "--engram-hidden", "64", "--entries", "64",
-                        "--loop", "2", "--iters", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                        "--loop", "1", "--iters", "1", "--out", str(out)], capture_output=True, text=True, timeout=600,
                        cwd=str(REPO_ROOT),
                        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
