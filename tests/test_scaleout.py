@@ -142,3 +142,16 @@ def test_flat_axis_spanning_hosts_fails_at_init_and_names_the_2d_group(platform)
         _exchange=types.SimpleNamespace(allgather=lambda name, local, want: recs))
     with pytest.raises(NotImplementedError, match=r"spans 2 hosts.*2-D \(node, local\)"):
         Context._check_hosts(stub)
+
+
+@pytest.mark.gpu(1)
+def test_one_gpu_1_node_x_1():
+    # The 2-D path on one GPU: the node axis has one member (no inter-node exchange), the intra-node ops on CUDA.
+    e = dict(os.environ, PYTHONUNBUFFERED="1")
+    for worker, extra in ((SCALEOUT, ["--nodes", "1"]),
+                          (EP, ["--nodes", "1", "--suite", "cases,cache,gradne"])):
+        p = subprocess.run([sys.executable, worker, "--platform", "cuda", *extra], capture_output=True, text=True,
+                           timeout=900, env=e, cwd=str(REPO_ROOT))
+        lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+        _assert_all_pass([json.loads(lines[-1][7:])], min_checks=8)
