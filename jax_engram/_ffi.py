@@ -27,11 +27,32 @@ def native(platform: str) -> ModuleType:
         except ImportError as e:
             raise RuntimeError(
                 "jax_engram was installed without its CUDA module (or it failed to load: "
-                f"{e}). Rebuild on a machine with nvcc and nvidia-nccl-cu13 installed, e.g. "
-                "JAX_ENGRAM_CUDA=ON pip install -e . --no-build-isolation"
+                f"{e}). Rebuild with nvcc on PATH and the CUDA module required: "
+                "JAX_ENGRAM_CUDA=13 pip install '.[cuda13]' (or 12 / '.[cuda12]'; README, Install)"
             ) from e
         return _engram_cuda
     raise NotImplementedError(f"jax_engram supports CPU and NVIDIA GPU devices, not {platform!r}")
+
+
+def warn_if_cuda_module_missing() -> None:
+    """Warn at import when jax has CUDA support installed but jax_engram was built without its CUDA module (a
+    build backend cannot see the ``cuda13`` extra: ``pip install .[cuda13]`` without ``JAX_ENGRAM_CUDA=13`` builds
+    the CPU module only), instead of failing only at the first GPU op."""
+    import importlib.util
+    import warnings
+
+    try:
+        if importlib.util.find_spec("jax_engram._engram_cuda") is not None:
+            return
+        plugins = [m for m in ("jax_cuda13_plugin", "jax_cuda12_plugin") if importlib.util.find_spec(m) is not None]
+    except (ImportError, ValueError):
+        return
+    if plugins:
+        warnings.warn(
+            f"jax_engram was built without its CUDA module, but jax has CUDA support installed ({plugins[0]}): "
+            "jax_engram ops on GPUs will fail. Rebuild with nvcc on PATH and the CUDA module required: "
+            "JAX_ENGRAM_CUDA=13 pip install '.[cuda13]' (or 12 / '.[cuda12]'; README, Install).",
+            RuntimeWarning, stacklevel=3)
 
 
 def cuda_available() -> bool:
@@ -85,3 +106,6 @@ def ensure_registered(platform: str) -> ModuleType:
                 raise RuntimeError(f"registering FFI target {name} failed; {_abi_message(mod)}: {e}") from e
         _registered.add(mod.platform)
     return mod
+
+
+warn_if_cuda_module_missing()
