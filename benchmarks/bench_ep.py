@@ -86,6 +86,7 @@ if ARGS.smoke:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _baselines & co. (also where the wheel installs them)
 from jax_engram.launch import emit_result, initialize, shutdown  # noqa: E402
 
 LAUNCH = initialize()  # no-op outside the launcher; before anything starts a JAX backend
@@ -97,9 +98,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_engram  # noqa: E402
-from benchmarks import _baselines as B  # noqa: E402
-from benchmarks import _ceilings as CE  # noqa: E402
-from benchmarks import _common as C  # noqa: E402
+import _baselines as B  # noqa: E402
+import _ceilings as CE  # noqa: E402
+import _common as C  # noqa: E402
 
 AX = "ep"
 SINGLE = jax.process_count() == 1
