@@ -22,7 +22,7 @@ Outside ``shard_map`` (global arrays, jit and shard_map done for you)::
     table.write_global(x, sf=None)     # x [num_ranks*num_entries, hidden] (sharded along the axis, or numpy)
     data, sf = table.lookup_global(ids)
 
-Semantics (``deepep_v2_semantics.md`` §2 plus padding / modes; the reference is
+Semantics (``docs/semantics.md``, "Engram"; the reference is
 ``jax_engram.reference.engram_lookup``):
 
 * global id g -> owner ``g // num_entries``, row ``g % num_entries``; negative ids are padding: zero row

@@ -15,7 +15,7 @@ counts are device data (``num_recv_tokens``, ``group_sizes``, the handle's psums
 routed tokens never recompiles. Rows past the real count are unspecified (only alignment padding rows are
 defined, and only with ``zero_padding=True``).
 
-Semantics follow ``deepep_v2_semantics.md`` §3 and are tested bit-exactly against
+Semantics: ``docs/semantics.md`` ("MoE dispatch", "MoE combine"); they are tested bit-exactly against
 :mod:`jax_engram.reference`. Notes:
 
 * ``deterministic`` is accepted and always satisfied: the receiver pulls rows in the canonical order, so

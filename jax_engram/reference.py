@@ -3,8 +3,7 @@
 Every native op of jax_engram (Engram sharded-table lookup, MoE expert-parallel
 dispatch/combine in DeepEP V2 *direct* mode) is tested bit-exactly against the
 functions in this module.  They are written from the behavioural contract in
-``deepep_v2_semantics.md`` (§2 Engram, §3 dispatch/combine, §7 port contract),
-not from any kernel.
+``docs/semantics.md`` (Engram, MoE dispatch, MoE combine), not from any kernel.
 
 Conventions
 -----------
@@ -15,7 +14,7 @@ Conventions
   dispatch outputs have the worst-case number of rows (``R*M`` token rows,
   ``expand_rows(R, M, K, E_loc, A)`` expanded rows); the real counts live in the
   ``num_*`` / ``psum_*`` outputs.
-* **Canonical order** (= DeepEP deterministic mode, §3.12):
+* **Canonical order** (= DeepEP deterministic mode):
   token rows on a destination rank are sorted by ``src_gid = src_rank*M + t``
   (i.e. grouped by source rank ascending, then source token ascending); each token
   appears once per destination rank that owns at least one of its experts.
@@ -75,7 +74,7 @@ __all__ = [
     "ep_combine",
 ]
 
-#: DeepEP V2 static limit on the number of top-k positions (§3.13).
+#: Static limit on the number of top-k positions (as DeepEP V2).
 MAX_TOPK = 32
 #: Accepted Engram out-of-range handling modes.
 ENGRAM_MODES = ("fill", "clip", "checked")
@@ -104,7 +103,7 @@ def align(x, a):
 
 
 def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:
-    """Static (worst-case) number of rows of an expand-layout dispatch output (§3.5).
+    """Static (worst-case) number of rows of an expand-layout dispatch output (docs/semantics.md, "Expand layout").
 
     ``align(R*M*min(K, E_loc) + (A-1)*E_loc, A)``.
     """
@@ -130,7 +129,7 @@ def master_positions(topk_idx, num_experts: int, num_ranks: int):
     ``topk_idx``: ``[..., K]`` global expert ids (negative = masked).
     Returns ``[..., num_ranks]`` int32: the HIGHEST position ``k`` whose expert
     lives on that rank (DeepEP ``ptx::deduplicate`` keeps the highest lane,
-    §3.2), or -1 if the token has no expert on it.
+    docs/semantics.md), or -1 if the token has no expert on it.
     """
     if num_experts % num_ranks != 0:
         raise ValueError(
@@ -147,7 +146,7 @@ def check_routing(topk_idx, num_experts: int) -> None:
     """Eagerly validate a routing tensor ``[..., K]`` (no-op for tracers).
 
     Raises ``ValueError`` on K > 32, on ids ``>= num_experts``, and on duplicate
-    expert ids within one token (illegal in DeepEP, §3.13).  Negative ids are
+    expert ids within one token (illegal, as in DeepEP).  Negative ids are
     masked entries and are always legal.
     """
     shape = tuple(np.shape(topk_idx))
@@ -174,7 +173,7 @@ def check_routing(topk_idx, num_experts: int) -> None:
         if dup.any():
             row = int(np.argmax(dup))
             raise ValueError(
-                f"duplicate expert ids within one token are illegal (DeepEP §3.13); "
+                f"duplicate expert ids within one token are illegal; "
                 f"first offending token row {row}: {idx[row].tolist()}")
 
 
@@ -228,7 +227,7 @@ def _append_row(a, fill):
 # Engram
 # --------------------------------------------------------------------------- #
 def engram_lookup(shards, indices, *, mode: str = "fill", sf_table=None, sf_layout: str = "row"):
-    """Reference Engram fetch (§2, §7): gather of a row-sharded table by global id.
+    """Reference Engram fetch (docs/semantics.md, "Engram"): gather of a row-sharded table by global id.
 
     shards: ``[R, num_entries, hidden]`` (any dtype, incl. float8_e4m3fn); rank r's
       shard is ``shards[r]``; global id ``g`` -> owner ``g // num_entries``, row
@@ -325,7 +324,7 @@ def _validate_ep(R: int, N: int, K: int, num_experts: int, M: int):
 def ep_dispatch(x, topk_idx, topk_weights=None, *, num_experts: int, max_tokens_per_rank: int,
                 expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False,
                 x_scales=None) -> Dict[str, Optional[jax.Array]]:
-    """Reference DeepEP V2 direct-mode dispatch (§3.2-3.5, §3.10, §3.12), global view.
+    """Reference DeepEP V2 direct-mode dispatch (docs/semantics.md, "MoE dispatch"), global view.
 
     Args:
       x: ``[R, N, H]`` (bf16 / f16 / f32 / float8_e4m3fn; copied bit-exactly).
@@ -385,7 +384,7 @@ def ep_dispatch(x, topk_idx, topk_weights=None, *, num_experts: int, max_tokens_
     if A < 1:
         raise ValueError(f"expert_alignment must be >= 1, got {A}")
     if zero_padding and not expand:
-        raise ValueError("zero_padding requires expand=True (DeepEP §3.13)")
+        raise ValueError("zero_padding requires expand=True")
     if topk_weights is not None:
         topk_weights = jnp.asarray(topk_weights)
         if topk_weights.shape != topk_idx.shape:
@@ -521,7 +520,7 @@ def _as_bias_tuple(bias) -> Tuple[jax.Array, ...]:
 
 def ep_combine(y, dispatch_result, topk_idx, *, num_experts: int, max_tokens_per_rank: int,
                expand: bool, topk_weights=None, bias=None):
-    """Reference DeepEP V2 direct-mode combine (§3.7-3.9), global view.
+    """Reference DeepEP V2 direct-mode combine (docs/semantics.md, "MoE combine"), global view.
 
     Args:
       y: ``[R, rows, H]`` bf16 in the receive layout of ``dispatch_result``
@@ -553,7 +552,7 @@ def ep_combine(y, dispatch_result, topk_idx, *, num_experts: int, max_tokens_per
     if y.ndim != 3:
         raise ValueError(f"y must be [R, rows, H], got shape {y.shape}")
     if y.dtype != jnp.bfloat16:
-        raise ValueError(f"combine input must be bfloat16 (DeepEP §3.13), got {y.dtype}")
+        raise ValueError(f"combine input must be bfloat16, got {y.dtype}")
     if topk_idx.ndim != 3 or topk_idx.shape[0] != y.shape[0]:
         raise ValueError(f"topk_idx must be [R, N, K] with R={y.shape[0]}, got {topk_idx.shape}")
     R, rows, H = y.shape

@@ -1,7 +1,7 @@
 """Tests of the pure-JAX reference (jax_engram/reference.py).
 
 The reference is checked against independent numpy brute-force implementations
-written here from the contract (deepep_v2_semantics.md §2, §3, §7): plain Python
+written here from the contract (docs/semantics.md): plain Python
 loops over ranks / tokens / top-k positions, numpy float32 arithmetic and
 ml_dtypes rounding.  Data comparisons are bit-exact (on the raw bit patterns).
 """
@@ -483,7 +483,7 @@ def test_dispatch_zero_padding_rows():
 
 
 def test_dispatch_psum_formulas():
-    """The handle psum identities of contract §3.2/§3.10, in both layouts."""
+    """The handle psum identities of docs/semantics.md ("Handle"), in both layouts."""
     R, M, N, H, K, El, A = STD
     E = R * El
     rng = np.random.default_rng(9)

@@ -1,5 +1,5 @@
 // EP combine on CUDA: the PUSH protocol of ep_layout.h (EpCombineLayout slots), one cooperative launch of
-// G = num_sms CTAs. Numerics bit-exact with deepep_v2_semantics.md §3.7-3.9 and the CPU backend: every fp32 sum is
+// G = num_sms CTAs. Numerics bit-exact with docs/semantics.md ("MoE combine") and the CPU backend: every fp32 sum is
 // a left fold from -0.0 in a fixed order, one rounding to the output dtype.
 //
 // CTA c of rank `me` (combine sequence number seq, staging half seq & 1):
