@@ -149,6 +149,31 @@ def test_cuda_requested_but_unbuildable_is_a_configure_error(tmp_path):
     assert "Build files have been written" not in out
 
 
+def test_build_requirements_follow_jax_engram_cuda(tmp_path):
+    """The build backend's requirements: the NCCL wheel of nvcc's CUDA major for AUTO when nvcc is there, the
+    asked one for 13 / 12, none for OFF (the pin comes from pyproject's overrides, equal to the extras' pin)."""
+    _need("scikit_build_core")
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    fake.chmod(0o755)
+    code = ("import json, sys; sys.path.insert(0, 'build_backend'); import jax_engram_backend as b; "
+            "print('REQ ' + json.dumps(b.get_requires_for_build_wheel()))")
+    got = {}
+    for mode in ("AUTO", "OFF", "13", "12"):
+        env = dict(os.environ, JAX_ENGRAM_CUDA=mode, CUDACXX=str(fake))
+        p, out = _run([sys.executable, "-c", code], timeout=120, cwd=str(REPO), env=env)
+        assert p.returncode == 0, out
+        reqs = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("REQ ")][-1][4:])
+        got[mode] = sorted(r for r in reqs if r.startswith("nvidia-nccl"))
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pin13 = [r for r in extras["cuda13"] if r.startswith("nvidia-nccl")]
+    pin12 = [r for r in extras["cuda12"] if r.startswith("nvidia-nccl")]
+    assert got == {"AUTO": pin12, "OFF": [], "13": pin13, "12": pin12}, got
+    assert pin13 == ["nvidia-nccl-cu13==2.28.9"], pin13
+
+
 # ------------------------------------------------------------------------------------- benchmark report
 def test_bench_report_smoke_writes_table_json_and_plots(tmp_path):
     _need_matplotlib()
