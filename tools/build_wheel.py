@@ -37,6 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-repair", action="store_true", help="skip auditwheel (the wheel keeps its linux_* tag)")
     a = ap.parse_args(argv)
 
+    if a.no_isolation:
+        # The wheel must carry handlers built with the OLDEST supported jaxlib's FFI headers (pyproject's build
+        # requirements pin it): newer headers are refused at registration by older jaxlibs.
+        import importlib.metadata
+        import re
+        import tomllib
+
+        reqs = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+        pin = next((r.split("==")[1] for r in reqs if re.match(r"jaxlib\s*==", r)), None)
+        have = importlib.metadata.version("jaxlib")
+        if pin and have != pin:
+            print(f"build_wheel: this environment has jaxlib {have}, the wheel must be built against jaxlib {pin}'s "
+                  "XLA FFI headers (pyproject's build requirements): drop --no-isolation or install that jaxlib",
+                  file=sys.stderr)
+            return 2
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, JAX_ENGRAM_CUDA=a.cuda)

@@ -113,8 +113,8 @@ def run_one(name: str, scripts: Path, a: argparse.Namespace, out_dir: Path, extr
     json_path.unlink(missing_ok=True)
     cmd = _command(name, scripts, a, json_path, extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if a.platform == "cpu" and a.processes <= 1:
-        env["JAX_PLATFORMS"] = "cpu"
+    if a.platform != "auto" and a.processes <= 1:
+        env["JAX_PLATFORMS"] = a.platform
     t0 = time.perf_counter()
     prog = _Progress(name, enabled=not a.quiet and not a.verbose)
     with open(log_path, "w") as log:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(prog="python -m jax_engram.bench", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m jax_engram.bench", description=__doc__.splitlines()[0].replace("``", ""),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("which", nargs="?", choices=["engram", "ep", "all"], default=None)
