@@ -107,6 +107,15 @@ def _render(name: str, res: dict, out_dir: Path) -> tuple[str, list[str]]:
     return table, plots
 
 
+def _shown(arg: str) -> str:
+    """A command argument as the report and log show it: paths relative to the working directory when below it,
+    else just the file name (no machine paths in files that may get committed)."""
+    if not os.path.isabs(arg):
+        return arg
+    rel = os.path.relpath(arg)
+    return rel if not rel.startswith("..") else os.path.basename(arg)
+
+
 def run_one(name: str, scripts: Path, a: argparse.Namespace, out_dir: Path, extra: list[str]) -> dict:
     json_path = out_dir / JSON_NAMES[name][0]
     log_path = out_dir / f"{name}.log"
@@ -118,7 +127,7 @@ def run_one(name: str, scripts: Path, a: argparse.Namespace, out_dir: Path, extr
     t0 = time.perf_counter()
     prog = _Progress(name, enabled=not a.quiet and not a.verbose)
     with open(log_path, "w") as log:
-        log.write("$ python " + " ".join(os.path.relpath(c) if os.path.isabs(c) else c for c in cmd[1:]) + "\n")
+        log.write("$ python " + " ".join(_shown(c) for c in cmd[1:]) + "\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 bufsize=1)
         assert proc.stdout is not None
@@ -133,7 +142,7 @@ def run_one(name: str, scripts: Path, a: argparse.Namespace, out_dir: Path, extr
         rc = proc.wait()
     prog.close()
     wall = time.perf_counter() - t0
-    shown = ["python"] + [os.path.relpath(c) if os.path.isabs(c) else c for c in cmd[1:]]
+    shown = ["python"] + [_shown(c) for c in cmd[1:]]
     out = dict(benchmark=name, command=" ".join(shown),
                rc=rc, wall_s=round(wall, 1), json=json_path.name, log=log_path.name, plots=[])
     if rc != 0 or not json_path.is_file():
