@@ -363,7 +363,9 @@ class Context:
         self._created = []
 
     def close(self) -> None:
-        """Collective: wait for this context's device work, then free its windows and communicators.
+        """Collective: wait for this context's device work, then free its windows and communicators. After an op
+        of the context failed on this process (``ctx.errors()``, e.g. a peer that died) it frees everything without
+        meeting the peers, so it does not wait for a dead one.
 
         With ``cuda_graphs=True`` it also clears JAX's compilation caches (``jax.clear_caches()``): a CUDA graph
         replays its kernels without running any handler, so an executable that captured this context's ops would
@@ -375,11 +377,15 @@ class Context:
         self._closed = True
         if self.cuda_graphs and self.platform != "cpu":
             jax.clear_caches()
+        # After an op failed (a timeout: a peer died or hangs) the peers cannot be relied on to meet again: close
+        # without the final barrier instead of waiting timeout_s for a dead peer.
+        failed = bool(self.errors())
         for m in self.members:
             self._native.member_destroy(self.id, m.ordinal)
         self._created = []
         try:
-            self._exchange.barrier("closed")
+            if not failed:
+                self._exchange.barrier("closed")
         finally:
             _live.discard(self)
 

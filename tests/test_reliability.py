@@ -96,3 +96,52 @@ def test_property_cpu(launch, nproc, ndev, examples, families):
         assert res["ranks"] == nproc * ndev
         # Hypothesis stops early only if it runs out of distinct examples; each is a real case.
         assert all(n >= 0.9 * examples for n in res["counts"].values()), res["counts"]
+
+
+# ------------------------------------------------------------------------------------------------ dead peer
+def _dead_peer_job(*args, n=2, timeout=120):
+    """Run dead_peer.py as n plain processes of one jax.distributed job (the launcher would kill the job at the
+    victim's death); returns per rank (returncode, lines, seconds from EXITING to the process's exit)."""
+    import time
+
+    from jax_engram.launch import child_env, free_port
+
+    coord = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(WORKERS_DIR / "dead_peer.py"), *args],
+                              env=child_env(r, n, coord, "cpu", 1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=str(REPO_ROOT)) for r in range(n)]
+    out = []
+    try:
+        for p in procs:
+            lines, exiting = [], None
+            deadline = time.monotonic() + timeout
+            for line in p.stdout:
+                lines.append(line.rstrip())
+                if line.startswith("EXITING"):
+                    exiting = time.monotonic()
+                assert time.monotonic() < deadline, "dead_peer job ran past its limit:\n" + "\n".join(lines[-40:])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, lines, None if exiting is None else time.monotonic() - exiting))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def test_dead_peer_survivor_raises_and_exits_cpu():
+    timeout_s = 5.0
+    (rc0, lines0, exit0), (rc1, lines1, _) = _dead_peer_job("--timeout", str(timeout_s), "--heartbeat", "60",
+                                                            "--shutdown", "5", "--victim", "1", "--reraise")
+    text = "\n".join(lines0)
+    assert rc1 == -9, f"the victim did not die by SIGKILL (rc {rc1})"
+    err = [l for l in lines0 if l.startswith("ERROR_AFTER ")]
+    assert err, text[-4000:]
+    seconds = float(err[0].split()[1])
+    assert seconds <= timeout_s + 5, err[0]
+    assert "waiting for peer rank 1" in err[0] and "barrier" in err[0], err[0]
+    close = [l for l in lines0 if l.startswith("CLOSE_AFTER ")]
+    assert close and "raised" not in close[0] and float(close[0].split()[1]) < 2.0, close
+    # The error reaches the top (launch's fail-fast excepthook): the process exits at once, without waiting in
+    # jax.distributed's shutdown barrier for the dead peer.
+    assert rc0 == 1 and exit0 is not None and exit0 < 5.0, (rc0, exit0, text[-3000:])
