@@ -224,9 +224,9 @@ class Context:
         return dict(self.nccl)
 
     def _init_nccl(self) -> None:
-        # ncclCommInitRankConfig waits, without a bound, for every rank of the communicator: meet here first (a
-        # barrier bounded by the context timeout), so that a process that never gets this far becomes a
-        # TimeoutError naming the barrier instead of a hang inside NCCL.
+        # Meet here first (a barrier bounded by the context timeout), so that a process that never gets this far
+        # becomes a TimeoutError naming the barrier; comm_init itself is bounded too (a non-blocking communicator
+        # aborted after timeout_s, naming the ranks that did not join).
         self._exchange.barrier("nccl_init")
         for g, row in enumerate(self._groups):
             local = [m for m in self.members if m.group == g]
