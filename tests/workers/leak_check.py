@@ -89,6 +89,10 @@ def listening_sockets() -> int:
 def cycle(i: int) -> dict:
     ctx = je.init(mesh, AX, timeout_s=30.0, device_bytes=(4 << 20) if i % 2 else None)
     try:
+        if args.platform == "cuda":  # the side NCCL communicator (non-blocking init, bounded teardown) each cycle
+            topo = ctx.nccl_topology()
+            assert topo and all(v["nranks"] == R for v in topo.values()), topo
+            nccl_info.append({k: topo[min(topo)].get(k) for k in ("window_registered", "devcomm", "lsa_size")})
         t = je.EngramTable(ctx, 8, 16, jnp.bfloat16, placement="host" if i % 2 else "device")
         x = np.arange(R * 8 * 16, dtype=np.float32).reshape(R * 8, 16).astype(jnp.bfloat16)
         t.write_global(x)
@@ -122,6 +126,7 @@ def cycle(i: int) -> dict:
 
 failed_init = None
 open_counts: list[int] = []
+nccl_info: list[dict] = []
 cycle(0)  # warm-up: JAX's own lazily created threads, pools and caches
 info0 = cycle(1)
 jax.clear_caches()
@@ -142,4 +147,5 @@ print("BEFORE", json.dumps(before), "AFTER", json.dumps(after), flush=True)
 print("LEAKS", json.dumps(leaks), flush=True)
 print("RESULT " + json.dumps({"leaks": leaks, "failed_init": failed_init, "cycles": args.cycles, "ranks": R,
                               "live_contexts": len(je.live_contexts()),
-                              "memfd_maps_while_open": max(open_counts)}), flush=True)
+                              "memfd_maps_while_open": max(open_counts),
+                              "nccl": nccl_info[-1] if nccl_info else None}), flush=True)
