@@ -53,7 +53,7 @@ class Exchange:
             except Exception as e:
                 missing = [m for m in want if m not in out and self._try_get(f"{base}/{m}") is None]
                 raise TimeoutError(
-                    f"jax_engram exchange '{name}': no record {missing or [k]} within "
+                    f"jax_engram exchange '{name}': no record from {missing or [k]} (process index, or group.rank) within "
                     f"{self.timeout_ms / 1000:.0f} s (a process did not call the same jax_engram function, or "
                     f"died): {e}"
                 ) from e

@@ -145,3 +145,12 @@ def test_dead_peer_survivor_raises_and_exits_cpu():
     # The error reaches the top (launch's fail-fast excepthook): the process exits at once, without waiting in
     # jax.distributed's shutdown barrier for the dead peer.
     assert rc0 == 1 and exit0 is not None and exit0 < 5.0, (rc0, exit0, text[-3000:])
+
+
+def test_init_bounded_when_a_process_never_joins_cpu():
+    timeout_s = 5.0
+    (rc0, lines0, _), _ = _dead_peer_job("--timeout", str(timeout_s), "--victim", "1", "--no-init")
+    err = [l for l in lines0 if l.startswith("INIT_ERROR_AFTER ")]
+    assert err, "\n".join(lines0)[-4000:]
+    assert float(err[0].split()[1]) <= timeout_s + 5, err[0]
+    assert "TimeoutError" in err[0] and "['1']" in err[0], err[0]

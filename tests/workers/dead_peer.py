@@ -20,6 +20,8 @@ ap.add_argument("--heartbeat", type=int, default=30, help="jax.distributed heart
 ap.add_argument("--shutdown", type=int, default=5, help="jax.distributed shutdown_timeout_seconds")
 ap.add_argument("--victim", type=int, default=1)
 ap.add_argument("--reraise", action="store_true", help="end with the op's error uncaught (launch's fail-fast exit)")
+ap.add_argument("--no-init", action="store_true", help="the victim never calls jax_engram.init (it sleeps): the "
+                "others' init must fail within the timeout (INIT_ERROR_AFTER seconds message)")
 args = ap.parse_args()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,6 +35,19 @@ import jax_engram as je  # noqa: E402
 
 rank = jax.process_index()
 mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+if args.no_init:
+    if rank == args.victim:
+        time.sleep(2 * args.timeout + 5)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        je.init(mesh, "ep", timeout_s=args.timeout)
+        print("INIT_OK", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"INIT_ERROR_AFTER {time.monotonic() - t0:.2f} {type(e).__name__}: {' '.join(str(e).split())[:600]}",
+              flush=True)
+    print("EXITING", flush=True)
+    os._exit(0)
 ctx = je.init(mesh, "ep", timeout_s=args.timeout)
 f = jax.jit(jax.shard_map(lambda: je.barrier(ctx).reshape(1), mesh=mesh, in_specs=(), out_specs=P("ep")))
 jax.block_until_ready(f())
