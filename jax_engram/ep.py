@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_engram import _call
+from jax_engram.context import JaxEngramError
 
 __all__ = ["dispatch", "combine", "DispatchResult", "EPHandle", "dispatch_staging_bytes",
            "combine_staging_bytes", "expand_rows", "MAX_TOPK"]
@@ -477,7 +478,7 @@ def _routing_errors(topk_idx, num_experts: int, ctx):
     host callback raises there (on every rank) before the dispatch runs, so nothing is sent."""
     N, K = topk_idx.shape
     if N == 0:
-        rec = jnp.zeros((4,), jnp.int64 if topk_idx.dtype == jnp.int64 else jnp.int32)
+        rec = jnp.zeros((4,), topk_idx.dtype)
     else:
         oob = (topk_idx < -1) | (topk_idx >= num_experts)
         srt = jnp.sort(topk_idx, axis=1)
@@ -492,15 +493,13 @@ def _routing_errors(topk_idx, num_experts: int, ctx):
     everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
     zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
                              jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))
-    return zero
+    return jax.lax.stop_gradient(zero)
 
 
 def _raise_routing(everyone, rank, *, num_experts: int):
     everyone = np.asarray(everyone)
     for r, (kind, t, v, _) in enumerate(everyone.tolist()):
         if kind:
-            from jax_engram.context import JaxEngramError
-
             who = f"this rank ({r})" if r == int(np.asarray(rank)) else f"rank {r}"
             what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
                     else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
