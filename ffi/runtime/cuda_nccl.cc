@@ -224,6 +224,7 @@ Status settle_group(const std::vector<Member*>& ms, ncclResult_t group_result, c
   for (Member* m : ms) comms.push_back(cuda_state(*m).comm);
   std::vector<ncclResult_t> states;
   if (settle(comms, ms[0]->timeout_s, &states)) return {};
+  for (Member* m : ms) cuda_state(*m).nccl_timeout_s = 0;  // stuck: teardown aborts at once instead of waiting again
   char secs[32];
   snprintf(secs, sizeof(secs), "%.3g", ms[0]->timeout_s);
   return std::string("jax_engram: ") + what + " on the NCCL communicator of context " + std::to_string(ms[0]->ctx_id) +
@@ -306,10 +307,8 @@ Status nccl_window_register(Registry& reg, int64_t ctx, const std::vector<int32_
     if (ri != ncclSuccess && ri != ncclInProgress) derr[i] = nccl_error(ri, "ncclDevCommCreate");
   }
   r = ncclGroupEnd();
-  if (Status t = settle_group(ms, r, "ncclDevCommCreate"); !t.empty()) {
-    for (ncclDevComm* d : dcs) delete d;
-    return t;
-  }
+  // On a timeout the structs stay allocated: NCCL may still write them until the communicator is aborted.
+  if (Status t = settle_group(ms, r, "ncclDevCommCreate"); !t.empty()) return t;
   if (r == ncclInProgress) r = ncclSuccess;
   for (size_t i = 0; i < ms.size(); ++i) {
     CudaMemberState& st = cuda_state(*ms[i]);
@@ -385,9 +384,10 @@ void nccl_release_window(CudaMemberState& st) {
     ncclCommWindowDeregister(st.comm, st.window);
     st.window = nullptr;
   }
-  // Non-blocking communicator: let both calls finish (bounded) before the memory or the communicator goes.
+  // Non-blocking communicator: let both calls finish (bounded) before the memory or the communicator goes; if
+  // they do not, nccl_release_comm aborts the communicator at once.
   std::vector<ncclResult_t> states;
-  settle({st.comm}, st.nccl_timeout_s, &states);
+  if (!settle({st.comm}, st.nccl_timeout_s, &states)) st.nccl_timeout_s = 0;
 }
 
 void nccl_release_comm(CudaMemberState& st) {
