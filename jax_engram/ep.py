@@ -500,7 +500,7 @@ def _raise_routing(everyone, rank, *, num_experts: int):
     everyone = np.asarray(everyone)
     for r, (kind, t, v, _) in enumerate(everyone.tolist()):
         if kind:
-            who = f"this rank ({r})" if r == int(np.asarray(rank)) else f"rank {r}"
+            who = f"rank {r} (this rank)" if r == int(np.asarray(rank)) else f"rank {r}"
             what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
                     else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
             raise JaxEngramError(
