@@ -416,7 +416,6 @@ class Context:
             d["nccl"] = self.nccl
         return d
 
-
     # ------------------------------------------------------------------------------------------ memory
     def memory_info(self) -> dict:
         """What this context holds on each of its ranks (the same on every rank: allocations are symmetric).

@@ -125,10 +125,12 @@ def _raise_if_bad(status, indices, rank, *, total):
 def _checked_error(e: BaseException) -> JaxEngramError:
     """The JaxEngramError of a failed checked lookup: the op's own message, without XLA's wrapping."""
     msg = str(e)
-    i = msg.find("jax_engram engram fetch:")
-    if i >= 0:
-        msg = msg[i:].split("\n")[0]
-    return JaxEngramError(msg + ". The table and its context stay usable.")
+    lines = [l for l in msg.splitlines() if "index out of range in mode='checked'" in l]
+    if lines:  # the handler's or the host check's own line (XLA wraps callback errors in a traceback)
+        line = lines[0]
+        i = line.find("jax_engram ")
+        msg = line[i:] if i >= 0 else line
+    return JaxEngramError(msg.rstrip(".") + ". The table and its context stay usable.")
 
 
 _noop = None
@@ -144,8 +146,9 @@ def _forget_failed_execution(ctx) -> None:
             return x
 
         _noop = jax.jit(f)
-    for m in ctx.members:
-        jax.block_until_ready(_noop(jax.device_put(np.zeros((), np.int32), m.device)))
+    for d in ctx.mesh.devices.flat:
+        if d.process_index == jax.process_index():
+            jax.block_until_ready(_noop(jax.device_put(np.zeros((), np.int32), d)))
 
 
 class EngramTable:

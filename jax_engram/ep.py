@@ -545,6 +545,13 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     """
     if getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
         from jax_engram import _scaleout
+        if validate_routing and handle is None and topk_idx is not None and jnp.ndim(topk_idx) == 2:
+            topk_idx = jnp.asarray(topk_idx)  # the check over the whole (node, local) group, then the dispatch
+            t = jax.typeof(topk_idx)
+            vma = t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma
+            missing = tuple(a for a in ctx.axis_name if a not in vma)
+            checked = jax.lax.pcast(topk_idx, missing, to="varying") if missing else topk_idx
+            topk_idx = topk_idx + _routing_errors(checked, num_experts, ctx).astype(topk_idx.dtype)
         return _scaleout.dispatch(x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts,
                                   max_tokens_per_rank=max_tokens_per_rank, expand=expand,
                                   expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
