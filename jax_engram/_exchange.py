@@ -6,6 +6,7 @@ fresh key under the context's unique prefix). One process: a local pass-through.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import jax
@@ -42,17 +43,27 @@ class Exchange:
         for k, v in local.items():
             self.client.key_value_set(f"{base}/{k}", json.dumps(v))
         out = dict(local)
+        deadline = time.monotonic() + self.timeout_ms / 1000  # one bound for the whole exchange, not one per key
         for k in want:
             if k in out:
                 continue
             try:
-                out[k] = json.loads(self.client.blocking_key_value_get(f"{base}/{k}", self.timeout_ms))
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                out[k] = json.loads(self.client.blocking_key_value_get(f"{base}/{k}", left_ms))
             except Exception as e:
+                missing = [m for m in want if m not in out and self._try_get(f"{base}/{m}") is None]
                 raise TimeoutError(
-                    f"jax_engram exchange '{name}': no record '{k}' from its process within "
-                    f"{self.timeout_ms / 1000:.0f} s (a process did not call the same jax_engram function): {e}"
+                    f"jax_engram exchange '{name}': no record from {missing or [k]} (process index, or group.rank) within "
+                    f"{self.timeout_ms / 1000:.0f} s (a process did not call the same jax_engram function, or "
+                    f"died): {e}"
                 ) from e
         return out
+
+    def _try_get(self, key: str):
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - absent key
+            return None
 
     def barrier(self, name: str) -> None:
         if not self.multi:
@@ -62,7 +73,9 @@ class Exchange:
         except TypeError:  # older clients without process_ids
             self.client.wait_at_barrier(f"{self.prefix}/{name}", self.timeout_ms)
         except Exception as e:
-            raise TimeoutError(f"jax_engram barrier '{name}' among processes {self.process_ids} failed: {e}") from e
+            raise TimeoutError(f"jax_engram barrier '{name}' among processes {self.process_ids} failed within "
+                               f"{self.timeout_ms / 1000:.0f} s (a process died, hangs, or called another jax_engram "
+                               f"function): {e}") from e
 
     def broadcast_bytes(self, name: str, value: bytes | None, root: int) -> bytes:
         """`value` from process `root` to every process of the context."""
@@ -76,4 +89,5 @@ class Exchange:
         try:
             return self.client.blocking_key_value_get_bytes(key, self.timeout_ms)
         except Exception as e:
-            raise TimeoutError(f"jax_engram: process {root} did not publish '{name}': {e}") from e
+            raise TimeoutError(f"jax_engram: process {root} did not publish '{name}' within "
+                               f"{self.timeout_ms / 1000:.0f} s: {e}") from e

@@ -224,9 +224,9 @@ class Context:
         return dict(self.nccl)
 
     def _init_nccl(self) -> None:
-        # ncclCommInitRankConfig waits, without a bound, for every rank of the communicator: meet here first (a
-        # barrier bounded by the context timeout), so that a process that never gets this far becomes a
-        # TimeoutError naming the barrier instead of a hang inside NCCL.
+        # Meet here first (a barrier bounded by the context timeout), so that a process that never gets this far
+        # becomes a TimeoutError naming the barrier; comm_init itself is bounded too (a non-blocking communicator
+        # aborted after timeout_s, naming the ranks that did not join).
         self._exchange.barrier("nccl_init")
         for g, row in enumerate(self._groups):
             local = [m for m in self.members if m.group == g]
@@ -363,7 +363,9 @@ class Context:
         self._created = []
 
     def close(self) -> None:
-        """Collective: wait for this context's device work, then free its windows and communicators.
+        """Collective: wait for this context's device work, then free its windows and communicators. After an op
+        of the context failed on this process (``ctx.errors()``, e.g. a peer that died) it frees everything without
+        meeting the peers, so it does not wait for a dead one.
 
         With ``cuda_graphs=True`` it also clears JAX's compilation caches (``jax.clear_caches()``): a CUDA graph
         replays its kernels without running any handler, so an executable that captured this context's ops would
@@ -375,11 +377,15 @@ class Context:
         self._closed = True
         if self.cuda_graphs and self.platform != "cpu":
             jax.clear_caches()
+        # After an op failed (a timeout: a peer died or hangs) the peers cannot be relied on to meet again: close
+        # without the final barrier instead of waiting timeout_s for a dead peer.
+        failed = bool(self.errors())
         for m in self.members:
             self._native.member_destroy(self.id, m.ordinal)
         self._created = []
         try:
-            self._exchange.barrier("closed")
+            if not failed:
+                self._exchange.barrier("closed")
         finally:
             _live.discard(self)
 
@@ -409,6 +415,55 @@ class Context:
         if self.nccl:
             d["nccl"] = self.nccl
         return d
+
+    # ------------------------------------------------------------------------------------------ memory
+    def memory_info(self) -> dict:
+        """What this context holds on each of its ranks (the same on every rank: allocations are symmetric).
+
+        ``window``: the init window (workspace, device and host segments) and how much of the two reservations is
+        in use; ``allocations``: every symmetric allocation by id (0 = the window) with its segments;
+        ``regions``: the cached buffers (Engram tables, EP staging buffers, ...) by key, with placement, bytes and
+        where they live; ``ep_buffers``: the EP staging buffers alone, one per dispatch / combine configuration
+        (freed by :meth:`free_ep_buffers`); ``device_bytes`` / ``host_bytes``: the totals per rank."""
+        self._check_open()
+        kinds = {DEVICE: "device", HOST: "host"}
+        allocs = {aid: [{"bytes": int(b), "placement": kinds[k]} for b, k in segs] for aid, segs in self._allocs.items()}
+        regions = [{"key": repr(k), "placement": r.placement, "bytes": r.nbytes, "alloc_id": r.alloc_id,
+                    "offset": r.offset} for k, r in self._regions.items()]
+        ep = [dict(d, kind=k[0]) for k, d in zip(self._regions, regions)
+              if isinstance(k, tuple) and k and k[0] in ("ep_dispatch", "ep_combine")]
+        total = {"device": 0, "host": 0}
+        for segs in allocs.values():
+            for seg in segs:
+                total[seg["placement"]] += seg["bytes"]
+        res = {}
+        for name, r in (("device", self._device_res), ("host", self._host_res)):
+            if r is not None:
+                res[name] = {"reserved": r.size, "used": r.size - r.free_bytes}
+        return {"window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
+                           "host_segment_bytes": _align(self.host_bytes or 0), "reservations": res},
+                "allocations": allocs, "regions": regions, "ep_buffers": ep,
+                "device_bytes": total["device"], "host_bytes": total["host"]}
+
+    def free_ep_buffers(self) -> int:
+        """Collective: free the EP staging buffers of every dispatch / combine configuration used so far (they are
+        created again, at their first use, by the next EP op). Returns the bytes freed per rank.
+
+        Call between steps, once the outputs of the last EP op are ready (``jax.block_until_ready``): the buffers of
+        an op still running would be freed under it. JAX's compilation caches are cleared, because a compiled EP op
+        names its buffer; an executable the caller holds (``.lower().compile()``) must not be called again."""
+        self._check_open()
+        keys = [k for k in self._regions if isinstance(k, tuple) and k and k[0] in ("ep_dispatch", "ep_combine")]
+        self._free_ep_calls = getattr(self, "_free_ep_calls", 0) + 1
+        self._exchange.barrier(f"free_ep/{self._free_ep_calls}")  # no peer still reads them
+        freed = 0
+        for k in keys:
+            r = self._regions.pop(k)
+            freed += r.nbytes
+            self.release(r)
+        if keys:
+            jax.clear_caches()
+        return freed
 
 
 def init(mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None, host_bytes: int | None = None,

@@ -27,11 +27,11 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
 
 * global id g -> owner ``g // num_entries``, row ``g % num_entries``; negative ids are padding: zero row
   and zero sf. Ids ``>= num_ranks*num_entries`` follow ``mode``: ``"fill"`` zero row/sf, ``"clip"`` read
-  the last valid id, ``"checked"`` raise an error naming the first bad flat position and its id. On CPU
-  the fetch itself fails (the context stays usable). On GPU the check runs on the device: the fetch
-  returns zeros for bad ids and records the error in the context, which is raised by the NEXT jax_engram
-  op of the context or by ``ctx.check()`` (asynchronous; the context is then unusable, as after any
-  device-side error).
+  the last valid id, ``"checked"`` raise an error naming the first bad flat position and its id, once, from
+  the call that looked them up; the table and the context stay usable. On CPU the fetch itself fails. On
+  GPU the check runs on the device (bad ids read as zeros) and ``wait`` hands the first bad position to a
+  host callback that fails the call (a host sync: checked mode is for debugging). ``lookup_global``
+  waits for a checked lookup and raises :class:`jax_engram.JaxEngramError`.
 * indices must be integers; int32 is used as is, other integer dtypes are converted with saturation
   (``> 2**31-1`` becomes out of range, never wraps to a valid id). Global ids are int32, so
   ``num_ranks * num_entries < 2**31``.
@@ -63,6 +63,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call
+from jax_engram.context import JaxEngramError
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
 
@@ -92,7 +93,7 @@ def _check_choice(what: str, value, choices) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "sf", "status", "indices"],
-                   meta_fields=["has_sf", "overlap"])
+                   meta_fields=["has_sf", "overlap", "check_total"])
 @dataclasses.dataclass(frozen=True)
 class EngramPending:
     """What ``EngramTable.fetch`` returns: the output buffers being filled and everything the reads touch.
@@ -104,6 +105,50 @@ class EngramPending:
     indices: Any
     has_sf: bool
     overlap: bool
+    check_total: int = 0  # mode="checked" on a device backend: wait raises if an id is not in [0, check_total)
+
+
+def _raise_if_bad(status, indices, rank, *, total):
+    """Host side of mode="checked" on device backends (EngramTable.wait): raise naming the first bad id."""
+    pos = int(np.asarray(status))
+    if pos == _NO_BAD_POSITION:
+        return
+    ids = np.asarray(indices)
+    E = max(ids.shape[1], 1)
+    bad = int(ids.reshape(-1)[pos]) if 0 <= pos < ids.size else pos
+    raise JaxEngramError(
+        f"jax_engram engram fetch: index out of range in mode='checked': id {bad} at flat position {pos} (token "
+        f"{pos // E}, entry {pos % E}) on rank {int(np.asarray(rank))} is not in [0, {total}) = "
+        "[0, num_ranks*num_entries)")
+
+
+def _checked_error(e: BaseException) -> JaxEngramError:
+    """The JaxEngramError of a failed checked lookup: the op's own message, without XLA's wrapping."""
+    msg = str(e)
+    lines = [l for l in msg.splitlines() if "index out of range in mode='checked'" in l]
+    if lines:  # the handler's or the host check's own line (XLA wraps callback errors in a traceback)
+        line = lines[0]
+        i = line.find("jax_engram ")
+        msg = line[i:] if i >= 0 else line
+    return JaxEngramError(msg.rstrip(".") + ". The table and its context stay usable.")
+
+
+_noop = None
+
+
+def _forget_failed_execution(ctx) -> None:
+    """JAX keeps a failed execution as each device's last runtime token and raises its error again at
+    interpreter exit. A trivial computation with a host callback on each local device replaces that token."""
+    global _noop
+    if _noop is None:
+        def f(x):
+            jax.debug.callback(lambda: None)
+            return x
+
+        _noop = jax.jit(f)
+    for d in ctx.mesh.devices.flat:
+        if d.process_index == jax.process_index():
+            jax.block_until_ready(_noop(jax.device_put(np.zeros((), np.int32), d)))
 
 
 class EngramTable:
@@ -302,7 +347,10 @@ class EngramTable:
         data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
                                       **self._table_attrs(), **self._sf_attrs(), mode=mode_i,
                                       num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap))
-        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap))
+        # Device backends check on the device and leave the first bad flat position in `status` (CPU: the fetch
+        # itself fails); wait turns it into an error of this call.
+        check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
+        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total)
 
     def wait(self, pending: EngramPending, token=None):
         """Wait for a pending fetch; returns ``(data [T, E*hidden], sf or None)``.
@@ -321,6 +369,11 @@ class EngramTable:
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
                                         *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
+        if pending.check_total:
+            # A host callback after the reads: it fails this call (the execution) with the bad id, once; the
+            # table and the context stay usable (the check records nothing in the context).
+            jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), pending.status,
+                               pending.indices, jax.lax.axis_index(self.ctx.axis_name))
         return data, (sf if pending.has_sf else None)
 
     def lookup(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row"):
@@ -442,7 +495,16 @@ class EngramTable:
                 lo = -1 if np.issubdtype(ids.dtype, np.signedinteger) else 0
                 ids = np.clip(ids, lo, _INT32_MAX).astype(np.int32)
         ids = self._to_global(ids, P(ax, None) if sharded else P(), "ids")
-        data, sf, self._token = self._lookup_fn(mode, sf_layout, bool(sharded))(ids, self._global_token())
+        data, sf, token = self._lookup_fn(mode, sf_layout, bool(sharded))(ids, self._global_token())
+        if mode == "checked":
+            # Wait for the lookup (checked mode's price: a host sync) so that a bad id fails THIS call, once; the
+            # failed token is never chained into the table's next call (which would fail with the same error).
+            try:
+                jax.block_until_ready(token)
+            except Exception as e:  # noqa: BLE001 - XLA's runtime error carries our message
+                _forget_failed_execution(self.ctx)
+                raise _checked_error(e) from None
+        self._token = token
         return data, (sf if self.num_sf_packs else None)
 
     def free(self) -> None:

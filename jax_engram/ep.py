@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_engram import _call
+from jax_engram.context import JaxEngramError
 
 __all__ = ["dispatch", "combine", "DispatchResult", "EPHandle", "dispatch_staging_bytes",
            "combine_staging_bytes", "expand_rows", "MAX_TOPK"]
@@ -471,10 +472,48 @@ def _check_int(name, v, lo=None):
     return int(v)
 
 
+def _routing_errors(topk_idx, num_experts: int, ctx):
+    """validate_routing=True: a float32 zero that the dispatch's token depends on, computed after every rank's
+    topk_idx was checked (on the device) and the first offender of any rank reported to every rank's host: a
+    host callback raises there (on every rank) before the dispatch runs, so nothing is sent."""
+    N, K = topk_idx.shape
+    if N == 0:
+        rec = jnp.zeros((4,), topk_idx.dtype)
+    else:
+        oob = (topk_idx < -1) | (topk_idx >= num_experts)
+        srt = jnp.sort(topk_idx, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        oob_tok, dup_tok = jnp.any(oob, axis=1), jnp.any(dup, axis=1)
+        t = jnp.argmax(oob_tok | dup_tok)
+        v_oob = topk_idx[t, jnp.argmax(oob[t])]
+        v_dup = srt[t, 1:][jnp.argmax(dup[t])] if K > 1 else v_oob
+        kind = jnp.where(oob_tok[t], 1, jnp.where(dup_tok[t], 2, 0))
+        rec = jnp.stack([kind.astype(topk_idx.dtype), t.astype(topk_idx.dtype),
+                         jnp.where(kind == 1, v_oob, v_dup), jnp.zeros((), topk_idx.dtype)])
+    everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
+    zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
+                             jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))
+    return jax.lax.stop_gradient(zero)
+
+
+def _raise_routing(everyone, rank, *, num_experts: int):
+    everyone = np.asarray(everyone)
+    for r, (kind, t, v, _) in enumerate(everyone.tolist()):
+        if kind:
+            who = f"rank {r} (this rank)" if r == int(np.asarray(rank)) else f"rank {r}"
+            what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
+                    else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
+            raise JaxEngramError(
+                f"jax_engram dispatch (validate_routing=True): topk_idx of {who}, token {t}, {what}. Nothing was "
+                "sent and the context is still usable: fix the routing (mask invalid or repeated experts with -1) "
+                "and call again")
+    return np.zeros((), np.float32)
+
+
 def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_tokens_per_rank: int,
              expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, x_scales=None,
              handle: Optional[EPHandle] = None, deterministic: bool = False, num_sms: Optional[int] = None,
-             token=None) -> DispatchResult:
+             token=None, validate_routing: bool = False) -> DispatchResult:
     """Send every token to the ranks owning its top-k experts (inside shard_map over ``ctx``'s axis).
 
     Args:
@@ -495,12 +534,24 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
         expand segments by source global id).
       num_sms: SMs for the CUDA kernels (None/0 = automatic); ignored on CPU.
       token: orders this op after another jax_engram op (a token it returned); default: no dependency.
+      validate_routing: check ``topk_idx`` on every rank first (ids in [-1, num_experts), no duplicate expert
+        within a token): an all-gather of one small record over the axis and a host callback, which raises
+        :class:`jax_engram.JaxEngramError` on every rank, naming the rank, token and id, before anything is
+        sent; the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
+        context unusable (close it and init a new one). Uses an XLA collective over the axis.
 
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     num_recv_tokens, group_sizes, handle, token).
     """
     if getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
         from jax_engram import _scaleout
+        if validate_routing and handle is None and topk_idx is not None and jnp.ndim(topk_idx) == 2:
+            topk_idx = jnp.asarray(topk_idx)  # the check over the whole (node, local) group, then the dispatch
+            t = jax.typeof(topk_idx)
+            vma = t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma
+            missing = tuple(a for a in ctx.axis_name if a not in vma)
+            checked = jax.lax.pcast(topk_idx, missing, to="varying") if missing else topk_idx
+            topk_idx = topk_idx + _routing_errors(checked, num_experts, ctx).astype(topk_idx.dtype)
         return _scaleout.dispatch(x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts,
                                   max_tokens_per_rank=max_tokens_per_rank, expand=expand,
                                   expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
@@ -582,6 +633,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     tok = _ffi_token(token, ctx)
 
     if handle is None:
+        if validate_routing:
+            tok = tok + _routing_errors(_varying(topk_idx, ctx), E, ctx)
         topk_idx = _varying(topk_idx.astype(jnp.int32), ctx)
         outs = _dispatch_p(cfg, zero_padding, False, x, w, sf, (topk_idx,), tok)
         recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, gsz, t = outs

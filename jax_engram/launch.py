@@ -202,6 +202,11 @@ def initialize(
     thread ends the process immediately (``os._exit``, after printing the traceback and
     flushing stdout/stderr) instead of hanging in jax's distributed shutdown barrier; see
     :func:`_install_fail_fast`.  Clean exits still shut down normally.
+
+    A process that dies: jax.distributed terminates every other process ``heartbeat_timeout_seconds``
+    after its last heartbeat (at once if it was process 0), so keep ``jax_engram.init(timeout_s=...)``
+    below it to get jax_engram's error naming the peer first; a clean exit waits up to
+    ``shutdown_timeout_seconds`` in jax's shutdown barrier for a dead peer (docs/DESIGN.md, "Failures").
     """
     cfg = config_from_env()
     if cfg is None:

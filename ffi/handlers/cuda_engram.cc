@@ -8,8 +8,8 @@
 //        overlap=0 (lookup = fetch + wait back to back) or no side stream: the gather runs on XLA's stream.
 // wait:  overlap=1: record an event on the side stream, make XLA's stream wait for it. The data / sf results
 //        alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
-// checked mode: the range check runs on the device; the first bad position is recorded in the member's error
-//        record, reported by the next op of the context or ctx.check() (asynchronous, see engram.py).
+// checked mode: the range check runs on the device; the first bad position is left in the status result, which
+//        engram.py's wait hands to a host callback that fails the call (the context is not poisoned).
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
 #include <cuda_runtime_api.h>
 
@@ -170,7 +170,9 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.sf_layout = static_cast<int32_t>(sf_layout);
   f.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
   f.status = static_cast<int32_t*>(status->untyped_data());
-  f.err = m.error_device;
+  // Checked mode leaves the first bad position in `status` for wait's host check (engram.py); it records nothing in
+  // the context, which stays usable.
+  f.err = nullptr;
   f.rank = m.rank;
   f.sm_count = st.sm_count;
   f.device_memory = region_in_device_segments(*a, static_cast<uint64_t>(offset),

@@ -43,7 +43,9 @@ class CpuBackend final : public Backend {
     void* p = mmap(nullptr, a.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       close(fd);
-      return std::string("mmap of ") + std::to_string(a.total_bytes) + " bytes failed: " + strerror(errno);
+      return std::string("mapping ") + std::to_string(a.total_bytes) + " bytes of shared memory for allocation " +
+             std::to_string(a.id) + " of " + m.label + " failed: " + strerror(errno) +
+             (a.id == 0 ? " (the window: lower device_bytes / host_bytes in jax_engram.init())" : "");
     }
     auto st = std::make_shared<CpuAlloc>();
     st->fd = fd;

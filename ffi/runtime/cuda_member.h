@@ -49,6 +49,8 @@ struct CudaMemberState {
   // Side NCCL communicator (not XLA's): comm_init / window_register in cuda_nccl.cc.
   ncclComm_t comm = nullptr;
   int nccl_rank = -1;
+  double nccl_timeout_s = 100.0;         // the context timeout: bounds every wait on the (non-blocking) communicator;
+                                         // 0 once a wait on it expired (teardown then aborts it at once)
   ncclWindow_t window = nullptr;         // window over the pure-device part of allocation 0 (segment 0)
   std::string window_reason;             // why there is no window ("" when registered)
   ncclDevComm* devcomm = nullptr;        // LSA-only device communicator (heap, NCCL's struct)

@@ -16,7 +16,11 @@
 #include <nccl_device/impl/comm__types.h>
 #endif
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "runtime/cuda_member.h"
 
@@ -75,6 +79,35 @@ const char* kNoWindowReason =
     "Causes: GPUs of the axis without CUDA P2P between them, NCCL_CUMEM_ENABLE=0 or NCCL_WIN_ENABLE=0, or ranks "
     "on several nodes without GIN (RDMA NIC) on all of them. jax_engram's own peer mappings are unaffected.";
 
+// Every communicator is created non-blocking (ncclConfig_t::blocking = 0): an NCCL call on it returns
+// ncclInProgress while the work goes on in NCCL's threads, and ncclCommGetAsyncError tells when it is done. This
+// waits, polling, until no communicator of `comms` is in progress any more or `timeout_s` has passed; the state of
+// each is left in (*states)[i] (ncclInProgress for the ones still busy at the deadline). True if none is busy.
+bool settle(const std::vector<ncclComm_t>& comms, double timeout_s, std::vector<ncclResult_t>* states) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  states->assign(comms.size(), ncclSuccess);
+  for (auto sleep = std::chrono::microseconds(20);; sleep = std::min(sleep * 2, std::chrono::microseconds(20000))) {
+    bool busy = false;
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (!comms[i]) continue;
+      ncclResult_t st = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(comms[i], &st);
+      (*states)[i] = r != ncclSuccess ? r : st;
+      busy |= (*states)[i] == ncclInProgress;
+    }
+    if (!busy) return true;
+    if (clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(sleep);
+  }
+}
+
+std::string rank_list(const std::vector<int32_t>& ranks) {
+  std::string s;
+  for (int32_t r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + s + "]";
+}
+
 }  // namespace
 
 int nccl_runtime_version() {
@@ -125,6 +158,7 @@ Status nccl_comm_init(Registry& reg, int64_t ctx, const std::vector<std::pair<in
     ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
     cfgs[i] = c;
     cfgs[i].commName = name.c_str();
+    cfgs[i].blocking = 0;  // bounded below by the context timeout instead of waiting for every rank forever
     cudaError_t ce = cudaSetDevice(cuda_state(*ms[i]).device);
     if (ce != cudaSuccess) {
       first_err = "cudaSetDevice: " + cuda_error_string(ce);
@@ -137,7 +171,32 @@ Status nccl_comm_init(Registry& reg, int64_t ctx, const std::vector<std::pair<in
     }
   }
   r = ncclGroupEnd();
-  if (r != ncclSuccess && first_err.empty()) first_err = nccl_error(r, "ncclGroupEnd after ncclCommInitRankConfig");
+  if (r != ncclSuccess && r != ncclInProgress && first_err.empty())
+    first_err = nccl_error(r, "ncclGroupEnd after ncclCommInitRankConfig");
+  const double timeout_s = ms[0]->timeout_s;
+  if (first_err.empty()) {
+    std::vector<ncclResult_t> states;
+    if (!settle(comms, timeout_s, &states)) {
+      // The ranks of the group that live in other processes: one of them never joined (or joined another id).
+      std::vector<int32_t> local, missing;
+      for (Member* m : ms) local.push_back(m->rank);
+      for (int32_t rk = 0; rk < nranks; ++rk)
+        if (std::find(local.begin(), local.end(), rk) == local.end()) missing.push_back(rk);
+      for (auto& c : comms)
+        if (c) ncclCommAbort(c);
+      char secs[32];
+      snprintf(secs, sizeof(secs), "%.3g", timeout_s);
+      return "jax_engram: creating the NCCL communicator of context " + std::to_string(ctx) + " (" +
+             std::to_string(nranks) + " ranks) timed out after " + secs + " s: local ranks " + rank_list(local) +
+             " were ready, ranks " + rank_list(missing) +
+             " of the other processes did not all join (a process crashed, hangs, or did not reach the same "
+             "jax_engram call). The communicator was aborted; raise timeout_s in jax_engram.init() if a peer is "
+             "only slow, or run with NCCL_DEBUG=WARN for NCCL's own diagnosis.";
+    }
+    for (size_t i = 0; i < states.size() && first_err.empty(); ++i)
+      if (states[i] != ncclSuccess)
+        first_err = nccl_error(states[i], "ncclCommInitRankConfig(rank " + std::to_string(ms[i]->rank) + ")");
+  }
   if (!first_err.empty()) {
     for (auto& c : comms)
       if (c) ncclCommAbort(c);
@@ -150,9 +209,30 @@ Status nccl_comm_init(Registry& reg, int64_t ctx, const std::vector<std::pair<in
     CudaMemberState& st = cuda_state(*ms[i]);
     st.comm = comms[i];
     st.nccl_rank = ms[i]->rank;
+    st.nccl_timeout_s = timeout_s;
   }
   return {};
 }
+
+namespace {
+// After a collective group call on the members' (non-blocking) communicators: wait, bounded by the context
+// timeout, until NCCL has finished it. A peer that never takes part is an error here (the caller's init fails
+// and tears the communicators down); NCCL's own failure is left to the caller (it is recorded, not raised).
+Status settle_group(const std::vector<Member*>& ms, ncclResult_t group_result, const char* what) {
+  if (group_result != ncclInProgress && group_result != ncclSuccess) return {};
+  std::vector<ncclComm_t> comms;
+  for (Member* m : ms) comms.push_back(cuda_state(*m).comm);
+  std::vector<ncclResult_t> states;
+  if (settle(comms, ms[0]->timeout_s, &states)) return {};
+  for (Member* m : ms) cuda_state(*m).nccl_timeout_s = 0;  // stuck: teardown aborts at once instead of waiting again
+  char secs[32];
+  snprintf(secs, sizeof(secs), "%.3g", ms[0]->timeout_s);
+  return std::string("jax_engram: ") + what + " on the NCCL communicator of context " + std::to_string(ms[0]->ctx_id) +
+         " did not complete within " + secs + " s: a peer process did not take part (it crashed, hangs, or ran "
+         "another sequence of jax_engram calls). Close the context; raise timeout_s in jax_engram.init() if a peer "
+         "is only slow.";
+}
+}  // namespace
 
 Status nccl_window_register(Registry& reg, int64_t ctx, const std::vector<int32_t>& ordinals) {
   std::vector<Member*> ms;
@@ -184,6 +264,8 @@ Status nccl_window_register(Registry& reg, int64_t ctx, const std::vector<int32_
     if (r != ncclSuccess && r != ncclInProgress) werr[i] = nccl_error(r, "ncclCommWindowRegister");
   }
   r = ncclGroupEnd();
+  if (Status t = settle_group(ms, r, "ncclCommWindowRegister"); !t.empty()) return t;
+  if (r == ncclInProgress) r = ncclSuccess;
   for (size_t i = 0; i < ms.size(); ++i) {
     CudaMemberState& st = cuda_state(*ms[i]);
     st.window = wins[i];
@@ -225,6 +307,9 @@ Status nccl_window_register(Registry& reg, int64_t ctx, const std::vector<int32_
     if (ri != ncclSuccess && ri != ncclInProgress) derr[i] = nccl_error(ri, "ncclDevCommCreate");
   }
   r = ncclGroupEnd();
+  // On a timeout the structs stay allocated: NCCL may still write them until the communicator is aborted.
+  if (Status t = settle_group(ms, r, "ncclDevCommCreate"); !t.empty()) return t;
+  if (r == ncclInProgress) r = ncclSuccess;
   for (size_t i = 0; i < ms.size(); ++i) {
     CudaMemberState& st = cuda_state(*ms[i]);
     if (derr[i].empty() && r == ncclSuccess) {
@@ -299,13 +384,25 @@ void nccl_release_window(CudaMemberState& st) {
     ncclCommWindowDeregister(st.comm, st.window);
     st.window = nullptr;
   }
+  // Non-blocking communicator: let both calls finish (bounded) before the memory or the communicator goes; if
+  // they do not, nccl_release_comm aborts the communicator at once.
+  std::vector<ncclResult_t> states;
+  if (!settle({st.comm}, st.nccl_timeout_s, &states)) st.nccl_timeout_s = 0;
 }
 
 void nccl_release_comm(CudaMemberState& st) {
   if (!st.comm) return;
   CudaDeviceGuard g(st.device);
-  // Not collective: NCCL frees process-shared resources when the last communicator of the process goes.
-  ncclCommDestroy(st.comm);
+  // Not collective: NCCL frees process-shared resources when the last communicator of the process goes. The
+  // communicator is non-blocking: finalize (flushes its work), wait for that, bounded by the context timeout so a
+  // dead peer cannot hold close(), then destroy; abort instead if it does not settle.
+  std::vector<ncclResult_t> states;
+  ncclResult_t r = ncclCommFinalize(st.comm);
+  if ((r == ncclSuccess || r == ncclInProgress) && settle({st.comm}, st.nccl_timeout_s, &states) &&
+      states[0] == ncclSuccess)
+    ncclCommDestroy(st.comm);
+  else
+    ncclCommAbort(st.comm);
   st.comm = nullptr;
 }
 

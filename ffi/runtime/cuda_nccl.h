@@ -16,7 +16,8 @@ namespace jax_engram {
 Status nccl_unique_id(std::string* out);
 
 // Collective over the `nranks` ranks of a group: creates the communicator of every local member given as
-// (device ordinal, rank), in one ncclGroupStart/End. Blocks until every rank has joined.
+// (device ordinal, rank), in one ncclGroupStart/End. Non-blocking communicators: waits until every rank has
+// joined, at most the members' timeout_s; then aborts them and fails naming the ranks of other processes.
 Status nccl_comm_init(Registry& reg, int64_t ctx, const std::vector<std::pair<int32_t, int32_t>>& members,
                       int32_t nranks, const std::string& uid);
 

@@ -178,6 +178,9 @@ std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_ex
         else
           s += "the handle's arrays are inconsistent on " + who + " (entry " + to_string(where) + ", value " +
                to_string(e.observed) + "): pass the handle returned by the dispatch this call reverses or replays";
+        if (kind == kEpBadDuplicateExpert || kind == kEpBadExpertRange)
+          s += " (dispatch(..., validate_routing=True) raises this before anything is sent and keeps the context "
+               "usable)";
         break;
       }
       s += "invalid input on the device (detail " + to_string(e.detail) + ", expected " + to_string(e.expected) +
