@@ -272,6 +272,7 @@ class MoEBaseline:
     layout: str
     _check: Callable | None = None
     make_inputs: Callable | None = None
+    local: tuple | None = None  # (dispatch_body, combine_body): the per-rank functions, for use inside shard_map
 
     def check(self, fresh_seed: int | None = None) -> dict:
         """Verify dispatch (bit-exact vs numpy) and combine (fake expert, rel. error vs float64).
@@ -496,7 +497,8 @@ def make_ragged_a2a_dispatch_combine(mesh, N: int, H: int, K: int, E: int, dtype
                     group_sizes_ok=gs_ok, combine_rel_err=err, dropped=0)
 
     meta["recv_shape_per_rank"] = [B, H]
-    return MoEBaseline(name, True, None, dispatch, combine, inputs, meta, "expert-major", check, mk)
+    return MoEBaseline(name, True, None, dispatch, combine, inputs, meta, "expert-major", check, mk,
+                       local=(dispatch_body, lambda y, h, w: combine_body(y, *h, w)))
 
 
 # ---------- GShard-style all_to_all with capacity factor ----------
@@ -597,4 +599,245 @@ def make_a2a_capacity_dispatch_combine(mesh, N: int, H: int, K: int, E: int, dty
                     group_sizes_ok=gs_ok, combine_rel_err=err, dropped=int((~kept).sum()),
                     dropped_fraction=float((~kept).mean()))
 
-    return MoEBaseline(name, True, None, dispatch, combine, inputs, meta, "[src, local expert, slot]", check, mk)
+    return MoEBaseline(name, True, None, dispatch, combine, inputs, meta, "[src, local expert, slot]", check, mk,
+                       local=(dispatch_body, lambda y, h, w: combine_body(y, *h, w)))
+
+
+# ---------- deduplicated: each token sent once per destination rank ----------
+def _pack_meta(tk, w, sf=None):
+    """[N, 2K (+P)] int32: topk ids, the weights' and the scales' bits (one small collective for the routing)."""
+    parts = [tk.astype(jnp.int32), lax.bitcast_convert_type(w.astype(jnp.float32), jnp.int32)]
+    if sf is not None and sf.shape[-1]:
+        parts.append(lax.bitcast_convert_type(sf.astype(jnp.float32), jnp.int32))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def make_dedup_dispatch_combine(mesh, N: int, H: int, K: int, E: int, dtype=jnp.bfloat16, *, seed: int = 0,
+                                expand: bool = False, impl: str = "all_to_all",
+                                make_inputs: bool = True) -> MoEBaseline:
+    """The strongest simple JAX alternative: every token sent ONCE per destination rank that holds one of its
+    experts (deduplicated, dropless), with its routing (top-k ids and weights) beside it -- what our non-expand
+    dispatch moves.
+
+    ``impl="all_to_all"``: per destination rank the tokens routed there, compacted into a send buffer of capacity
+    N (every token can go everywhere, so nothing drops), one ``all_to_all`` of the rows and one of the routing
+    ([N, 2K] int32). ``impl="all_gather"`` (non-expand only): every rank gathers every rank's x and routing, and
+    combine is one ``psum_scatter``; at 2 ranks with top-8 of 256 experts (99.6 % of the tokens go to the other
+    rank) it moves about the same bytes.
+
+    Per rank: ``dispatch(x [N, H], topk_idx [N, K]) -> (recv_x, group_sizes [El], handle)``; non-expand:
+    ``recv_x [R(src) * N, H]`` (all_gather: every source row; all_to_all: slot order, unused slots zero);
+    ``expand=True`` adds a local permute to expert-major rows ``[B, H]``, ``B = R*N*min(K, El)`` (local expert,
+    then source rank, slot, k; rows past the count are zero), as ragged_all_to_all's layout.
+    ``combine(y, handle, topk_weights) -> [N, H]``: ``y`` has recv_x's shape (bf16 expert outputs; rows of x's
+    dtype at dispatch may be any dtype, e.g. fp8 packed with its scales as uint8). Non-expand: out = bf16(sum over
+    destination ranks d of f32(y_d)); expand: the expert side first sums its rows of a token in f32 and rounds to
+    bf16 (one row per token and rank goes back), then the same. The weights stay with the caller, as in our
+    combine; ``topk_weights`` is accepted for the common signature and ignored. With ``y = recv_x`` (an identity
+    expert) the result equals our ops' contract bit for bit: bf16(sum_d f32(bf16(f32(x) * c_d))), c_d = the
+    token's experts on d (expand) or 1.
+    """
+    R = _R(mesh)
+    if E % R:
+        raise ValueError(f"E={E} not divisible by R={R}")
+    if impl not in ("all_to_all", "all_gather"):
+        raise ValueError(f"impl={impl!r}")
+    if impl == "all_gather" and expand:
+        raise ValueError("the all_gather variant is non-expand only")
+    El = E // R
+    B = R * N * min(K, El)
+    name = ("dedup all_gather (each token to every rank once)" if impl == "all_gather" else
+            "dedup all_to_all (each token once per dest rank, capacity N)") + (" + local expand" if expand else "")
+    meta = dict(R=R, N=N, H=H, K=K, E=E, El=El, impl=impl, expand=expand, dtype=np.dtype(dtype).name,
+                recv_shape_per_rank=[B, H] if expand else [R * N, H])
+    mk = lambda s: make_moe_inputs(mesh, N, H, K, E, dtype, s)  # noqa: E731
+    inputs = mk(seed) if make_inputs else ()
+
+    def _local_expand(rows, rtk):
+        # rows [R*N, h] received (zeros where unused), rtk [R*N, K] global expert ids (-1 unused)
+        me = lax.axis_index(AXIS)
+        le = jnp.where((rtk >= 0) & (rtk // El == me), rtk - me * El, El).reshape(-1)          # [R*N*K]
+        order = jnp.argsort(le, stable=True).astype(jnp.int32)[:B]                            # expert-major
+        valid = le[order] < El
+        out = jnp.where(valid[:, None], rows[order // K], jnp.zeros((), rows.dtype))
+        gs = jnp.bincount(le, length=El + 1)[:El].astype(jnp.int32)
+        return out, gs, order, valid
+
+    def dispatch_body(xl, tk, w):
+        n = xl.shape[0]
+        me = lax.axis_index(AXIS)
+        dest = jnp.where(tk >= 0, tk // El, -1)
+        hit = (dest[:, :, None] == jnp.arange(R, dtype=jnp.int32)[None, None, :]).any(axis=1)   # [N, R]
+        meta_rows = _pack_meta(tk, w)
+        if impl == "all_gather":
+            rows = lax.all_gather(xl, AXIS, tiled=True)                                        # [R*N, h]
+            rmeta = lax.all_gather(meta_rows, AXIS, tiled=True)
+            rtk = rmeta[:, :K]
+            mine = (jnp.where(rtk >= 0, rtk // El, -1) == me).any(axis=1)
+            gs = jnp.bincount(jnp.where((rtk >= 0) & (rtk // El == me), rtk - me * El, El).reshape(-1),
+                              length=El + 1)[:El].astype(jnp.int32)
+            return rows, gs, (hit, mine)
+        # slot of token t on dest d = number of earlier tokens routed to d; unused slots point past the end
+        slot = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1                                     # [N, R]
+        src = jnp.full((R, n), n, jnp.int32).at[jnp.arange(R)[None, :], jnp.where(hit, slot, n)].set(
+            jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, R)), mode="drop")    # [R, N]
+        used = src < n
+        send = jnp.where(used[:, :, None], xl[jnp.minimum(src, n - 1)], jnp.zeros((), xl.dtype))
+        smeta = jnp.where(used[:, :, None], meta_rows[jnp.minimum(src, n - 1)], -1)
+        recv = lax.all_to_all(send, AXIS, 0, 0, tiled=False).reshape(R * n, -1)                # [R(src)*N, h]
+        rmeta = lax.all_to_all(smeta, AXIS, 0, 0, tiled=False).reshape(R * n, -1)
+        rtk = rmeta[:, :K]
+        if expand:
+            out, gs, order, valid = _local_expand(recv, rtk)
+            return out, gs, (hit, slot, order, valid)
+        gs = jnp.bincount(jnp.where((rtk >= 0) & (rtk // El == me), rtk - me * El, El).reshape(-1),
+                          length=El + 1)[:El].astype(jnp.int32)
+        return recv, gs, (hit, slot)
+
+    def combine_body(y, handle, w=None):
+        del w
+        h = y.shape[-1]
+        if impl == "all_gather":
+            hit, mine = handle
+            part = jnp.where(mine[:, None], y, jnp.zeros((), y.dtype))
+            return lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True)
+        if expand:
+            hit, slot, order, valid = handle
+            # expert side: sum a token's rows (f32), one bf16 row per (source, slot) goes back
+            seg = jnp.where(valid, order // K, R * N)
+            per = jnp.zeros((R * N + 1, h), jnp.float32).at[seg].add(y.astype(jnp.float32))[:R * N]
+            y = per.astype(y.dtype)
+        else:
+            hit, slot = handle
+        back = lax.all_to_all(y.reshape(R, N, h), AXIS, 0, 0, tiled=False)                       # [R(dst), N, h]
+        rows = back[jnp.arange(R)[None, :], jnp.where(hit, slot, 0)]                               # [N, R, h]
+        acc = jnp.full((N, h), -0.0, jnp.float32)  # left fold from -0.0, as the contract's reference
+        for d in range(R):
+            acc = acc + jnp.where(hit[:, d, None], rows[:, d].astype(jnp.float32), -0.0)
+        return jnp.where(hit.any(axis=1)[:, None], acc, 0.0).astype(y.dtype)
+
+    # the common signature dispatch(x, topk) carries no weights; zeros stand for them (the same [N, 2K] int32
+    # routing row moves)
+    d_local = lambda x, tk: dispatch_body(x, tk, jnp.zeros_like(tk, jnp.float32))  # noqa: E731
+    spec = P(AXIS)
+    dispatch = jax.jit(jax.shard_map(d_local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, spec)))
+    _combine = jax.jit(jax.shard_map(lambda y, h: combine_body(y, h), mesh=mesh, in_specs=(spec, spec),
+                                     out_specs=spec))
+    combine = jax.jit(lambda y, handle, w: _combine(y, handle))
+
+    def check(dispatch, combine, x, topk, w):
+        xn, tn, _, n = _np_inputs(x, topk, w, R)
+        recv, gs, handle = dispatch(x, topk)
+        dest = np.where(tn >= 0, tn // El, -1)                                           # [R, N, K]
+        cnt = (dest[..., None] == np.arange(R)).sum(axis=2)                             # [R(src), N, R(dst)]
+        per = cnt if expand else np.minimum(cnt, 1)
+        # dispatch: the rows each rank must hold, in the layout above
+        recv_n = np.asarray(recv).reshape(R, -1, H)
+        bad = 0
+        for r in range(R):
+            if impl == "all_gather":
+                want = xn.reshape(R * n, H)
+            else:
+                slots = np.zeros((R, n, H), xn.dtype)
+                for s in range(R):
+                    toks = np.nonzero(cnt[s, :, r] > 0)[0]
+                    slots[s, :toks.size] = xn[s][toks]
+                want = slots.reshape(R * n, H)
+                if expand:
+                    rows = []
+                    for le in range(El):
+                        for s in range(R):
+                            toks = np.nonzero(cnt[s, :, r] > 0)[0]
+                            for j, t in enumerate(toks):
+                                rows += [xn[s][t]] * int(np.sum(tn[s, t] == r * El + le))
+                    want = np.zeros((B, H), xn.dtype)
+                    if rows:
+                        want[:len(rows)] = np.stack(rows)
+            bad += int(np.sum(_bits(want) != _bits(recv_n[r])))
+        # combine with an identity expert: the ops' contract, bit for bit
+        y = recv.astype(jnp.bfloat16)
+        out = np.asarray(combine(y, handle, w)).reshape(R, n, H)
+        xf = xn.astype(jnp.bfloat16).astype(np.float32)
+        parts = (xf[:, :, None, :] * per[..., None].astype(np.float32)).astype(jnp.bfloat16).astype(np.float32)
+        acc = np.full(xf.shape, -0.0, np.float32)
+        for d in range(R):
+            acc = np.where(per[:, :, d, None] > 0, (acc + parts[:, :, d]).astype(np.float32), acc)
+        want_c = np.where((per > 0).any(axis=2)[..., None], acc, 0.0).astype(jnp.bfloat16)
+        bad_c = int(np.sum(_bits(want_c) != _bits(out)))
+        return dict(ok=bool(bad == 0 and bad_c == 0), dispatch_mismatches=bad, combine_mismatches=bad_c, dropped=0)
+
+    return MoEBaseline(name, True, None, dispatch, combine, inputs, meta,
+                       "expert-major" if expand else "[src rank, slot]", check, mk,
+                       local=(d_local,
+                              lambda y, h, w: combine_body(y, h)))
+
+
+# ---------- timing loops shaped like ours, and the collectives in them ----------
+def pack_rows(x, x_scales=None):
+    """The rows a baseline moves for our dispatch's x (and FP8 scales): x itself, or x's bytes followed by the
+    scales' bytes as one uint8 row [N, H*itemsize + 4P] (the same bytes our dispatch moves per row)."""
+    if x_scales is None or x_scales.shape[-1] == 0:
+        return x
+    xb = lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else \
+        lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+    sb = lax.bitcast_convert_type(x_scales.astype(jnp.float32), jnp.uint8).reshape(x.shape[0], -1)
+    return jnp.concatenate([xb, sb], axis=-1)
+
+
+def combine_rows(recv, H: int, x_dtype):
+    """bf16 expert outputs [..., H] standing for the rows a baseline received (packed rows: x's part)."""
+    if recv.dtype == jnp.uint8:
+        recv = lax.bitcast_convert_type(recv[..., :H], x_dtype)
+    return recv.astype(jnp.bfloat16)
+
+
+def make_loops(bl: MoEBaseline, mesh, n: int, H: int, x_dtype=jnp.bfloat16):
+    """Jitted ``(dispatch_loop(x, tk, w), combine_loop(x, tk, w))`` of ``n`` calls each, structured as our ops'
+    loops in bench_ep: ONE shard_map'ed program whose ``lax.fori_loop`` runs the per-rank bodies, each call's
+    input made to depend on the previous call's output (one element, a local update: no collective), every
+    output carried through the loop and returned (so XLA cannot drop any of a call's work), and nothing in the
+    loop that the partitioner must add (no global-array indexing: no all-reduce). The combine loop runs one
+    dispatch first (the handle), as ours does; ``time_per_call``'s slope cancels it."""
+    d_body, c_body = bl.local
+    spec = P(AXIS)
+
+    def chain(a, out):  # a with element 0 replaced by out's first element: a data dependency, local
+        return a.at[(0,) * a.ndim].set(out[(0,) * out.ndim].astype(a.dtype))
+
+    def dispatch_loop(x, tk, w):
+        outs = d_body(x, tk)
+
+        def step(i, c):
+            xx, _ = c
+            o = d_body(xx, tk)
+            return chain(xx, o[0]), o
+        return lax.fori_loop(0, n, step, (x, outs))
+
+    def combine_loop(x, tk, w):
+        recv, _, handle = d_body(x, tk)
+        y = combine_rows(recv, H, x_dtype)
+        out = c_body(y, handle, w)
+
+        def step(i, c):
+            yy, _ = c
+            o = c_body(yy, handle, w)
+            return chain(yy, o), o
+        return lax.fori_loop(0, n, step, (y, out))
+
+    mk = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))  # noqa: E731
+    return mk(dispatch_loop), mk(combine_loop)
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "ragged-all-to-all", "collective-permute",
+                "reduce-scatter", "collective-broadcast")
+
+
+def hlo_collectives(fn, *args, compiler_options: dict | None = None) -> dict:
+    """Collective ops in the compiled (partitioned, optimized) HLO of jitted ``fn(*args)``: {op name: count}
+    (async pairs count once, by their -start)."""
+    import re
+    text = fn.lower(*args).compile(compiler_options or {}).as_text()
+    out = {}
+    for op in _COLLECTIVES:
+        out[op] = len(re.findall(rf"= [^=\n]*(?<![\w-]){op}(?:-start)?\(", text))
+    return out
