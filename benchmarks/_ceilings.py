@@ -32,10 +32,26 @@ try:  # imported as benchmarks._ceilings
 except ImportError:  # run from benchmarks/ (scripts there have it on sys.path)
     import _common as C
 
-__all__ = ["p2p_copy_ceiling", "host_to_device_ceiling", "local_d2d_ceiling", "all_to_all_ceiling",
+__all__ = ["NVLINK_CEILING", "HOST_LINK_CEILING", "nvlink_ceiling_gbps", "p2p_copy_ceiling", "host_to_device_ceiling", "local_d2d_ceiling", "all_to_all_ceiling",
            "all_ceilings", "ceiling_rows", "SKIPPED"]
 
 SKIPPED: dict[str, str] = {}
+
+# One ceiling definition per link: every "% of ceiling" the benchmarks print divides by one of these, measured in
+# the same run. The ops move bytes both ways at once (every rank sends and receives), so the NVLink figure is the
+# per-direction rate with both directions busy. probe_nvlink's cudaMemcpyPeerAsync figures (a few % higher than
+# jax.device_put's) are context, never a denominator.
+NVLINK_CEILING = ("NVLink ceiling = same-run copy engine per direction with both GPUs copying to each other at once "
+                  "(p2p_copy_ceiling: two jax.device_put issued together, opposite directions; bidir.per_direction_gbps)")
+HOST_LINK_CEILING = ("host link ceiling = same-run pinned host -> device jax.device_put (host_to_device_ceiling: "
+                     "h2d.gbps)")
+
+
+def nvlink_ceiling_gbps(p2p: dict | None) -> float | None:
+    """The NVLINK_CEILING figure of a ``p2p_copy_ceiling`` result (None if there is none)."""
+    if not p2p or "bidir" not in p2p:
+        return None
+    return p2p["bidir"].get("per_direction_gbps")
 
 
 def _skip(name: str, reason: str):
