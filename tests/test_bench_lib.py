@@ -131,6 +131,39 @@ x1, tk1, w1 = emu.inputs
 t3 = C.time_fn(emu.dispatch, x1, tk1, warmup=1, iters=3)
 moe["time_fn_dispatch_us"] = t3["median_us"]
 moe["ep_traffic"] = B.ep_traffic(tk0, R, E, H * 2)
+
+# deduplicated baselines (each token once per destination rank): bit-exact with the ops' contract
+dd = {}
+for tag, kw in (("a2a", {}), ("a2a_expand", dict(expand=True)), ("all_gather", dict(impl="all_gather"))):
+    bl = B.make_dedup_dispatch_combine(mesh, N, H, Kk, E, **kw)
+    dd[tag] = [bl.check(), bl.check(fresh_seed=21)]
+ddb = B.make_dedup_dispatch_combine(mesh, N, H, Kk, E)
+gd, gc = ddb.dispatch, ddb.combine
+ddb.combine = lambda y, h, w: gc(y * 2, h, w)
+dd["neg_combine_fails"] = ddb.check()["ok"] is False
+ddb.combine = gc
+moe["dedup"] = dd
+
+# timing loops: the collectives in their compiled HLO. make_loops (ours' structure) must carry no all-reduce; the
+# old chaining of global arrays outside shard_map does (the detector's negative control)
+from jax import lax
+loops = {}
+sf = jnp.ones((x0.shape[0], 2), jnp.float32)
+xp = jax.jit(B.pack_rows)(x0.astype(jnp.float8_e4m3fn), sf)   # FP8 rows packed with their scales
+for tag, bl in (("capacity", cap), ("ragged_emulated", emu), ("dedup", ddb),
+                ("dedup_expand", B.make_dedup_dispatch_combine(mesh, N, H, Kk, E, expand=True, make_inputs=False))):
+    d, c = B.make_loops(bl, mesh, 3, H)
+    loops[tag] = dict(dispatch=B.hlo_collectives(d, x0, tk0, w0), combine=B.hlo_collectives(c, x0, tk0, w0))
+    d8, c8 = B.make_loops(bl, mesh, 2, H, jnp.float8_e4m3fn)
+    jax.block_until_ready((d8(xp, tk0, w0), c8(xp, tk0, w0)))
+    loops[tag]["fp8_ran"] = True
+def chain(a, out):
+    return a.at[(0,) * a.ndim].set(out.reshape(-1)[0].astype(a.dtype), out_sharding=jax.typeof(a).sharding)
+with jax.set_mesh(mesh):
+    old = jax.jit(lambda x, tk: lax.fori_loop(0, 3, lambda i, x: chain(x, cap.dispatch(x, tk)[0]), x))
+    loops["old_chain"] = B.hlo_collectives(old, x0, tk0)
+moe["loops"] = loops
+moe["packed_row"] = [list(xp.shape), str(xp.dtype)]
 res["moe"] = moe
 print("RESULT_JSON " + json.dumps(res, default=str))
 ''')
@@ -219,6 +252,22 @@ def test_moe_baselines(runs, ndev):
     assert m["capacity_meta"]["capacity"] == 8  # ceil(1.25 * 12*4 / 8)
     assert m["neg_dispatch_fails"] and m["neg_combine_fails"] and m["neg_cap_combine_fails"]
     assert m["time_loop_roundtrip_us"] > 0 and m["time_fn_dispatch_us"] > 0
+    for tag, chks in m["dedup"].items():
+        if tag.startswith("neg"):
+            continue
+        for chk in chks:
+            assert chk["ok"] and chk["dispatch_mismatches"] == 0 and chk["combine_mismatches"] == 0, (tag, chk)
+    assert m["dedup"]["neg_combine_fails"]
+    assert m["packed_row"] == [[12 * ndev, 32 + 4 * 2], "uint8"]   # x's bytes then the scales' bytes
+    for tag, lp in m["loops"].items():
+        if tag == "old_chain":
+            continue
+        assert lp["fp8_ran"]
+        for op in ("dispatch", "combine"):
+            assert lp[op]["all-reduce"] == 0, (tag, op, lp)
+    if ndev > 1:  # the old loop's partitioner-made all-reduce: what the detector above must see
+        assert m["loops"]["old_chain"]["all-reduce"] >= 1, m["loops"]["old_chain"]
+        assert m["loops"]["capacity"]["dispatch"]["all-to-all"] >= 1
     tr = m["ep_traffic"]
     assert tr["expanded_bytes"] == 12 * 4 * 64
     if ndev == 1:
@@ -252,3 +301,47 @@ def test_time_per_call_removes_the_fixed_overhead(monkeypatch):
     assert not flat["slope_ok"] and flat["median_us"] == pytest.approx(1000.0 / 6)
     with pytest.raises(ValueError):
         C.time_per_call(make(0.0, 1e-6), (), 5, 5)
+
+
+def test_bench_ep_cpu_run(tmp_path):
+    """bench_ep.py end to end on 2 CPU devices at tiny sizes: every row checked bit-exact, the baselines per dtype
+    on the same bytes (FP8 rows packed with their scales), the dedup baselines checked, no all-reduce in any timed
+    loop (ours or baselines), one ceiling definition stated, the pre-existing JSON keys kept."""
+    out = tmp_path / "ep.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    H, P_sf = 128, 2
+    cmd = [sys.executable, os.path.join(BENCH, "bench_ep.py"), "--tokens", "16", "--hidden", str(H), "--topk", "4",
+           "--experts", "16", "--scales", str(P_sf), "--loop", "2", "--iters", "1", "--warmup", "1",
+           "--baseline-iters", "1", "--sm-sweep", "", "--ceiling-bytes", str(1 << 16), "--loop-hlo",
+           "--ragged-device-kernel", "--out", str(out)]
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert len(runs) == 4 and all(r["check"]["ok"] for r in runs), [r.get("check") for r in runs]
+    assert "correctness checks all passed (4 configs)" in p.stdout
+    assert res["loops_with_all_reduce"] == []
+    assert "per direction" in res["ceiling_definition"] and "% of ceiling" in p.stdout
+    for r in runs:  # old keys stay, new ones added
+        for k in ("dispatch_us", "combine_us", "dispatch_pct_ceiling", "dispatch_speedup_vs_best_baseline",
+                  "best_baseline_dispatch", "best_baseline_combine", "baseline_dtype", "loop_collectives"):
+            assert k in r, k
+        assert r["baseline_dtype"] == r["dtype"]
+        assert r["loop_collectives"]["dispatch"]["all-reduce"] == 0
+    by = res["baselines_by_dtype"]["16"]
+    assert set(by) == {"bf16", "fp8"} and res["baselines"]["16"] is not None
+    for dn, row_bytes in (("bf16", 2 * H), ("fp8", H + 4 * P_sf)):
+        bl = by[dn]
+        for key in ("a2a_cap1.25", "dedup_a2a", "dedup_all_gather", "dedup_a2a_expand"):
+            assert bl[key]["supported"] and bl[key]["row_bytes"] == row_bytes, (dn, key, bl[key])
+            assert bl[key]["loop"] == [2, 6]          # the same loop lengths as ours
+        assert not bl["ragged_a2a"]["supported"]      # XLA:CPU: reported, not crashed
+        assert "GPU only" in bl["ragged_a2a_device_kernel"]["reason"]
+    for key in ("dedup_a2a", "dedup_all_gather", "dedup_a2a_expand"):
+        assert by["bf16"][key]["check"]["ok"], by["bf16"][key]["check"]
+    nonexp = [r for r in runs if r["layout"] == "nonexpand"]
+    exp = [r for r in runs if r["layout"] == "expand"]
+    assert all(r["best_baseline_dispatch"] != "dedup_a2a_expand" for r in nonexp)
+    assert all(r["best_baseline_dispatch"] in ("ragged_a2a", "a2a_cap1.25", "dedup_a2a_expand") for r in exp)
