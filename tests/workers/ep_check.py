@@ -134,6 +134,7 @@ class Case:
     det: bool = False
     seed: int = 0
     wide: bool = False        # also run with 4+ ranks
+    sms: int = 0              # num_sms of the CUDA kernels (0 = automatic; ignored on CPU)
 
 
 def make_routing(rng, c: Case, E):
@@ -215,7 +216,7 @@ def run_case(ctx, c: Case):
     biases = [rng.standard_normal((R, N, H)).astype(np.float32).astype(jnp.bfloat16) for _ in range(c.nbias)]
 
     kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=c.expand, expert_alignment=c.A,
-              zero_padding=c.zp, deterministic=c.det)
+              zero_padding=c.zp, deterministic=c.det, num_sms=c.sms or None)
 
     def body(x, x2, idx, w, w2, sf, sf2, y, cw, *bs):
         d = ep.dispatch(x[0], idx[0], w[0] if c.weights else None, x_scales=None if sf is None else sf[0], **kw)
@@ -349,6 +350,10 @@ def base_cases():
              P=4, wide=True),
         Case("expand_h7168_k8_bias2", E_loc=8, K=8, H=7168, M=4, expand=True, nbias=2, wide=True),
         Case("nonexpand_h7168_k8_unbal_bias1", E_loc=8, K=8, H=7168, M=4, unbalanced=True, nbias=1, wide=True),
+        # non-default num_sms (the grid of both kernels; the combine takes it from the handle): fewer CTAs than
+        # tokens, and more than the default 24
+        Case("nonexpand_h7168_k8_sms3_bias1", E_loc=8, K=8, H=7168, M=24, nbias=1, sms=3, wide=True),
+        Case("expand_e8_k8_a128_zp_sms40", E_loc=8, K=8, M=40, expand=True, A=128, zp=True, sms=40),
     ]
 
 
