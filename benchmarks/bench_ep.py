@@ -86,6 +86,8 @@ def _args(argv=None):
     ap.add_argument("--loop-hlo", action="store_true",
                     help="count the collectives in the compiled HLO of every timed loop (ours and baselines) and "
                          "record them (on in --smoke): neither side may carry an all-reduce")
+    ap.add_argument("--baselines", default="ragged_a2a,a2a_cap1.25,dedup_a2a,dedup_all_gather,dedup_a2a_expand",
+                    help="which JAX baselines (comma list of the keys of bench_ep.BASELINES)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--no-check", action="store_true")
@@ -345,7 +347,9 @@ def time_baselines(mesh, inputs, *, N, H, K, E, dname, P_sf, platform):
     res = {}
     if ARGS.no_baselines:
         return res
-    for key in BASELINES:
+    for key in [k for k in ARGS.baselines.split(",") if k]:
+        if key not in BASELINES:
+            raise SystemExit(f"bench_ep: unknown baseline {key!r} (known: {', '.join(BASELINES)})")
         res[key] = time_baseline(mesh, key, inputs, N=N, H=H, K=K, E=E, dname=dname, P_sf=P_sf)
     if ARGS.ragged_device_kernel:
         key = "ragged_a2a_device_kernel"
