@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|ep|probe|probe_engram|probe_reduce|bench_engram|bench_ep]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|ep|probe|probe_engram|probe_reduce|bench_engram|bench_ep|bench_ep_fair|peer_deepep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -57,6 +57,17 @@ for what in "${@:-foundation}"; do
     bench_ep)
       timeout 560 $PY benchmarks/bench_ep.py --out "$OUT/bench_ep.json" > "$OUT/bench_ep.log" 2>&1
       log "bench_ep rc=$?"; tail -40 "$OUT/bench_ep.log" ;;
+    bench_ep_fair)  # the like-for-like run: baselines per dtype on our inputs, dedup baselines, the same loops as
+                    # ours, every row checked, XLA's ragged all-to-all device kernel as one more baseline
+      timeout 575 $PY benchmarks/bench_ep.py --loop 30 --iters 4 --sm-sweep 32 --baseline-iters 3 --baseline-max-s 1 \
+        --ragged-device-kernel --out "$OUT/bench_ep.json" > "$OUT/bench_ep.log" 2>&1
+      log "bench_ep (like-for-like) rc=$?"
+      grep -E "ceiling|baseline|correctness|all-reduce" "$OUT/bench_ep.log" | cut -c1-400 | tee -a "$OUT/summary.txt"
+      sed -n '/^EP dispatch\/combine/,$p' "$OUT/bench_ep.log" ;;
+    peer_deepep)  # DeepEP's V1 intranode Buffer at our configuration (needs carry [".peers/DeepEP"]: tools/peer_deepep.sh)
+      PEER_LOG_DIR="$OUT/peer_deepep" timeout 590 bash tools/peer_deepep.sh > "$OUT/peer_deepep.log" 2>&1
+      log "peer_deepep rc=$?"; grep -E "^peer deepep" "$OUT/peer_deepep.log" | tee -a "$OUT/summary.txt"
+      tail -5 "$OUT/peer_deepep.log" ;;
   esac
 done
 log "total $(( $(date +%s) - t0 )) s"

@@ -110,14 +110,14 @@ rc=0 rc2=0
 # ---- 1. DeepEP's own intranode test + benchmark (defaults = our configuration; it hard-codes 24 SMs) ----
 if [ "${PEER_SKIP_TEST:-0}" != 1 ]; then
   echo "peer deepep: tests/test_intranode.py --num-processes $R --num-tokens $N --hidden $H --num-topk $K --num-experts $E (log: $LOGS/test_intranode.log)"
-  (cd "$SRC/tests" && timeout 420 "$PY" test_intranode.py --num-processes "$R" --num-tokens "$N" --hidden "$H" \
+  (cd "$SRC/tests" && timeout 300 "$PY" test_intranode.py --num-processes "$R" --num-tokens "$N" --hidden "$H" \
       --num-topk "$K" --num-experts "$E") > "$LOGS/test_intranode.log" 2>&1 || { rc=$?; echo "peer deepep: test_intranode.py exited $rc; its last lines:"; tail -25 "$LOGS/test_intranode.log"; }
   grep -E "^\[config\]|passed|Best dispatch|Best combine" "$LOGS/test_intranode.log" | sed 's/^/peer deepep: test_intranode: /' | sort -u | head -40 || true
 fi
 
 # ---- 2. the same Buffer timed like bench_ep times ours ----
 echo "peer deepep: tools/peer_deepep_bench.py (log: $LOGS/bench.log)"
-timeout 300 "$PY" "$ROOT/tools/peer_deepep_bench.py" --ranks "$R" --tokens "$N" --hidden "$H" --topk "$K" --experts "$E" \
+timeout 200 "$PY" "$ROOT/tools/peer_deepep_bench.py" --ranks "$R" --tokens "$N" --hidden "$H" --topk "$K" --experts "$E" \
     --sms "$SMS" --json "$LOGS/bench.json" > "$LOGS/bench.log" 2>&1 \
   || { rc2=$?; echo "peer deepep: peer_deepep_bench.py exited $rc2; its last lines:"; tail -25 "$LOGS/bench.log"; }
 grep "^peer deepep:" "$LOGS/bench.log" || true
