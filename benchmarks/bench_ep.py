@@ -22,7 +22,7 @@ plus 128 tokens per rank for latency; an SM sweep at 4096 tokens. All in the SAM
                 and the same loop lengths (n and 3n, fewer only past --baseline-max-s, said in the output).
                 `x base` = the best baseline of the same dtype among those standing beside the row's layout
                 (non-expand: all; expand: the expert-major ones). Single-jitted-call times are kept in the JSON.
-                --loop-hlo (on in --smoke) counts the collectives in every timed loop's compiled HLO: neither
+                --loop-hlo counts the collectives in every timed loop's compiled HLO: neither
                 side carries an all-reduce.
   * ceiling:    benchmarks/_ceilings.py NVLINK_CEILING: the same run's copy-engine rate per direction with
                 both GPUs copying to each other at once (jax.device_put); every "% of ceiling" divides by it.
@@ -58,6 +58,9 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 
 
+_DEFAULT_BASELINES = "ragged_a2a,a2a_cap1.25,dedup_a2a,dedup_all_gather,dedup_a2a_expand"
+
+
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="4096,128", help="tokens per rank (comma list); also max_tokens_per_rank")
@@ -85,8 +88,8 @@ def _args(argv=None):
                          "kernel (GPU only; an error is reported and the run goes on)")
     ap.add_argument("--loop-hlo", action="store_true",
                     help="count the collectives in the compiled HLO of every timed loop (ours and baselines) and "
-                         "record them (on in --smoke): neither side may carry an all-reduce")
-    ap.add_argument("--baselines", default="ragged_a2a,a2a_cap1.25,dedup_a2a,dedup_all_gather,dedup_a2a_expand",
+                         "record them: neither side may carry an all-reduce")
+    ap.add_argument("--baselines", default=_DEFAULT_BASELINES,
                     help="which JAX baselines (comma list of the keys of bench_ep.BASELINES)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--no-ceiling", action="store_true")
@@ -106,7 +109,8 @@ if ARGS.smoke:
     ARGS.tokens, ARGS.hidden, ARGS.topk, ARGS.experts, ARGS.scales = "64,16", 256, 4, 16, 2
     ARGS.loop, ARGS.iters, ARGS.warmup, ARGS.baseline_iters = 3, 2, 1, 1
     ARGS.sm_sweep, ARGS.ceiling_bytes = "4,8", 1 << 20
-    ARGS.loop_hlo = True
+    if ARGS.baselines == _DEFAULT_BASELINES:  # fewer compilations: the smoke run must stay quick on 2 CPU cores
+        ARGS.baselines = "ragged_a2a,a2a_cap1.25,dedup_a2a"
     if "XLA_FLAGS" not in os.environ and "JAX_ENGRAM_COORDINATOR" not in os.environ and "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
