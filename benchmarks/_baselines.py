@@ -24,7 +24,15 @@ ones stacked along axis 0):
     served in (token, k) order), bucket ``[E, C, H]``, ``jax.lax.all_to_all``; combine gathers the
     kept rows back and takes the weighted sum.
 
-Both builders return a ``MoEBaseline`` with jitted ``dispatch(x, topk_idx) -> (recv_x, group_sizes,
+  * ``make_dedup_dispatch_combine``: each token sent ONCE per destination rank holding one of its experts
+    (deduplicated, dropless: all_to_all with per-rank capacity N, or ``impl="all_gather"``), with its routing
+    row; ``expand=True`` adds the local permute to expert-major rows. Bit-exact with our ops' contract.
+
+``make_loops`` builds the timing loops of any of them with our ops' loop structure (one shard_map'ed
+``fori_loop``, local chaining, outputs carried: no partitioner-made all-reduce), ``pack_rows`` the FP8
+rows (x's bytes then the scales'), ``hlo_collectives`` counts the collectives in a compiled program.
+
+All builders return a ``MoEBaseline`` with jitted ``dispatch(x, topk_idx) -> (recv_x, group_sizes,
 handle)`` and ``combine(y, handle, topk_weights) -> out [R*N, H]``, the inputs, and ``check()``,
 which verifies dispatch against numpy (bit-exact) and combine with an expert-dependent fake expert
 (and poisoned unused rows) against a float64 numpy reference.
