@@ -45,6 +45,12 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
   stream); ``wait`` makes XLA's stream wait for them. Every buffer the reads touch (output, indices) is
   carried in the pending object until ``wait``: keep fetch and wait in the same jitted program, and do
   not use anything of a pending object except by passing it to ``wait``.
+* GPU gathers (``EngramConfig``, per table or per call): an overlapped ``fetch`` uses bulk copies
+  (``cp.async.bulk`` through shared memory) on ``num_sms`` CTAs (default 4), so the XLA work between fetch
+  and wait keeps the other SMs; ``lookup`` (nothing to overlap) uses the full-grid gather, the lowest latency
+  for small lookups. Rows whose size (or whose table offset / output address) is not a multiple of 16 bytes
+  cannot move by bulk copies: there the "tma" choice runs the vector gather capped at ``num_sms`` CTAs.
+  Results are identical bit for bit whichever gather runs.
 * No kernel is specialised on T, E, hidden or num_entries: the jitted program's custom calls carry the
   same attributes for every T (XLA still compiles one executable per distinct input shape, as for any
   jitted function; DeepEP JIT-compiles a kernel per (num_entries, hidden, E, num_qps) instead).
@@ -63,6 +69,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call
+from jax_engram.config import EngramConfig
 from jax_engram.context import JaxEngramError
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
@@ -84,6 +91,12 @@ _uids = itertools.count()
 
 def _dtype_name(d) -> str:
     return np.dtype(d).name
+
+
+def _check_config(pre: str, config):
+    if config is not None and not isinstance(config, EngramConfig):
+        raise TypeError(f"{pre}: config must be a jax_engram.EngramConfig, got {type(config).__name__}")
+    return config
 
 
 def _check_choice(what: str, value, choices) -> int:
@@ -167,6 +180,9 @@ class EngramTable:
         ``sf_dtype`` (required for float8_e4m3fn, which carries no scale of its own).
       sf_dtype: float32, or int32 (packed UE8M0x4).
       sf_placement: where each rank's copy of the scale-factor table lives (read locally), default HBM.
+      config: how fetches run on the GPU (:class:`jax_engram.EngramConfig`: the gather of overlapped fetches
+        and of lookups, the SMs the bulk-copy gather holds, ...); every op also takes ``config=`` to override
+        it per call. Part of the jit cache key.
     """
 
     def __new__(cls, ctx=None, *args, **kwargs):
@@ -176,7 +192,8 @@ class EngramTable:
         return super().__new__(cls)
 
     def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
-                 num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device"):
+                 num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device",
+                 config: EngramConfig | None = None):
         pre = "jax_engram.EngramTable"
         ctx._check_open()
         for name, v, lo in (("num_entries", num_entries, 1), ("hidden", hidden, 1), ("num_sf_packs", num_sf_packs, 0)):
@@ -197,6 +214,7 @@ class EngramTable:
         if dt == np.dtype(ml_dtypes.float8_e4m3fn) and num_sf_packs == 0:
             raise ValueError(f"{pre}: dtype float8_e4m3fn needs scale factors: pass num_sf_packs > 0 (e.g. "
                              "ceil(hidden / 128) packs of per-128-channel scales) and write the sf table")
+        self.config = _check_config(pre, config) or EngramConfig()
         self.ctx = ctx
         self.num_ranks = ctx.num_ranks
         self.num_entries = int(num_entries)
@@ -320,7 +338,7 @@ class EngramTable:
                           sf, **self._table_attrs(), **self._sf_attrs(), sf_bytes=sf_bytes)
 
     def fetch(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
-              overlap: bool = True) -> EngramPending:
+              overlap: bool = True, config: EngramConfig | None = None) -> EngramPending:
         """Enqueue the reads of rows ``indices`` [T, E] (global ids); returns a pending lookup for ``wait``.
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
@@ -329,8 +347,12 @@ class EngramTable:
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
         is what ``lookup`` does). No effect on CPU, where fetch reads synchronously.
+        ``config``: overrides the table's :class:`EngramConfig` for this call; the gather is
+        ``config.fetch_gather`` with ``overlap=True`` (default: bulk copies on ``config.num_sms`` SMs) and
+        ``config.lookup_gather`` without (default: the full-grid gather).
         """
         _call.check_axis(self.ctx, "EngramTable.fetch")
+        cfg = _check_config("jax_engram EngramTable.fetch", config) or self.config
         mode_i = _check_choice("mode", mode, ENGRAM_MODES)
         layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
@@ -346,7 +368,8 @@ class EngramTable:
                    _call.like(indices, (), jnp.int32))
         data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
                                       **self._table_attrs(), **self._sf_attrs(), mode=mode_i,
-                                      num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap))
+                                      num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap),
+                                      **cfg.ffi_attrs(bool(overlap)))
         # Device backends check on the device and leave the first bad flat position in `status` (CPU: the fetch
         # itself fails); wait turns it into an error of this call.
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
@@ -376,10 +399,12 @@ class EngramTable:
                                pending.indices, jax.lax.axis_index(self.ctx.axis_name))
         return data, (sf if pending.has_sf else None)
 
-    def lookup(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row"):
-        """``wait(fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False))``: ``(data, sf or
-        None)``; on GPU the reads run on XLA's stream (nothing to overlap with)."""
-        return self.wait(self.fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False))
+    def lookup(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
+               config: EngramConfig | None = None):
+        """``wait(fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))``:
+        ``(data, sf or None)``; on GPU the reads run on XLA's stream (nothing to overlap with) with the
+        config's ``lookup_gather``."""
+        return self.wait(self.fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))
 
     # ----------------------------------------------------------------------------- global API
     def _mesh_spec(self):
@@ -443,8 +468,9 @@ class EngramTable:
         a = np.asarray(a)
         return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
 
-    def _lookup_fn(self, mode, sf_layout, sharded):
-        key = ("lookup", mode, sf_layout, sharded)
+    def _lookup_fn(self, mode, sf_layout, sharded, config=None):
+        config = config or self.config
+        key = ("lookup", mode, sf_layout, sharded, config)
         fn = self._global_fns.get(key)
         if fn is None:
             mesh, ax = self._mesh_spec()
@@ -452,7 +478,7 @@ class EngramTable:
             out_spec = P(ax, None) if sharded else P()
 
             def body(ids, tok):
-                pend = self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, overlap=False)
+                pend = self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, overlap=False, config=config)
                 data, sf = self.wait(pend)
                 # The next *_global call depends on this lookup through the status word (never read).
                 return data, (sf if sf is not None else jnp.zeros((0,), jnp.int32)), pend.status.reshape(1)
@@ -462,7 +488,8 @@ class EngramTable:
             fn = self._global_fns[key] = jax.jit(sm)
         return fn
 
-    def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None):
+    def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None,
+                      config: EngramConfig | None = None):
         """Look up global ids from outside shard_map. Two forms:
 
         * sharded (default for a jax.Array whose first dimension is sharded along the context axis): ids
@@ -472,9 +499,11 @@ class EngramTable:
         * replicated (numpy arrays, replicated jax.Arrays, or ``sharded=False``): ids [T, E] seen by every
           rank; returns replicated data [T, E*hidden] and sf ([T, E*P] or [E*P, align(T, 4)]).
 
-        Ordered after every earlier ``*_global`` call of this table. Returns ``(data, sf or None)``.
+        Ordered after every earlier ``*_global`` call of this table. ``config`` overrides the table's
+        :class:`EngramConfig` (its ``lookup_gather`` applies). Returns ``(data, sf or None)``.
         """
         _check_choice("mode", mode, ENGRAM_MODES)
+        config = _check_config("jax_engram EngramTable.lookup_global", config)
         _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         mesh, ax = self._mesh_spec()
         if np.ndim(ids) != 2:
@@ -495,7 +524,7 @@ class EngramTable:
                 lo = -1 if np.issubdtype(ids.dtype, np.signedinteger) else 0
                 ids = np.clip(ids, lo, _INT32_MAX).astype(np.int32)
         ids = self._to_global(ids, P(ax, None) if sharded else P(), "ids")
-        data, sf, token = self._lookup_fn(mode, sf_layout, bool(sharded))(ids, self._global_token())
+        data, sf, token = self._lookup_fn(mode, sf_layout, bool(sharded), config)(ids, self._global_token())
         if mode == "checked":
             # Wait for the lookup (checked mode's price: a host sync) so that a bad id fails THIS call, once; the
             # failed token is never chained into the table's next call (which would fail with the same error).

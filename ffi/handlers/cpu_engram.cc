@@ -45,12 +45,18 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> sf_out,
                           ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id, int64_t alloc_id, int64_t offset,
                           int64_t num_entries, int64_t row_bytes, int64_t mode, int64_t sf_alloc_id,
-                          int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap) {
+                          int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap,
+                          int64_t gather, int64_t gather_sms, int64_t tma_smem_bytes, int64_t sm_loads,
+                          int64_t sm_blocks_per_sm) {
   (void)token;
-  (void)overlap;  // CPU: the gather runs here and now
+  (void)overlap;  // CPU: the gather runs here and now; the gather configuration is only validated
   MemberScope s(ctx_id, ordinal, kOpEngramFetch);
   if (!s.ok()) return s.error();
   Member& m = s.member();
+  GatherConfig gc;
+  if (auto e = check_gather_config(kOpEngramFetch, gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm, &gc);
+      !e.success())
+    return e;
   FetchShapes fs;
   if (auto e = check_fetch(kOpEngramFetch, m, indices, *data, *sf_out, *status, alloc_id, offset, num_entries,
                            row_bytes, mode, sf_alloc_id, sf_offset, num_sf_packs, sf_layout, &fs);

@@ -13,6 +13,7 @@
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -26,14 +27,25 @@
 #include "kernels/cuda/base.h"
 #include "kernels/cuda/engram.cuh"
 #include "runtime/cuda_member.h"
+#include "runtime/env.h"
 
 namespace jax_engram {
 namespace {
 
 using namespace engram_validate;
 
-ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
-  return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
+ffi::Error cuda_failure(int32_t op, const std::string& what, cudaError_t e) {
+  return op_error(op, what + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
+}
+
+const char* gather_name(int32_t g) {
+  return g == engram::kGatherTma ? "tma" : g == engram::kGatherSm ? "sm" : g == engram::kGatherSmFew ? "sm_few" : "none";
+}
+
+// Debug tracing only (never a tuning knob): JAX_ENGRAM_ENGRAM_TRACE=1 prints which gather every fetch ran.
+bool engram_trace() {
+  static const bool on = env_int("JAX_ENGRAM_ENGRAM_TRACE", 0, 0, 1) != 0;
+  return on;
 }
 
 ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
@@ -130,12 +142,18 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                            ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> sf_out,
                            ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id, int64_t alloc_id, int64_t offset,
                            int64_t num_entries, int64_t row_bytes, int64_t mode, int64_t sf_alloc_id,
-                           int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap) {
+                           int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap,
+                           int64_t gather, int64_t gather_sms, int64_t tma_smem_bytes, int64_t sm_loads,
+                           int64_t sm_blocks_per_sm) {
   (void)token;
   constexpr int32_t op = kOpEngramFetch;
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
+  GatherConfig gc;
+  if (auto e = check_gather_config(op, gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm, &gc);
+      !e.success())
+    return e;
   FetchShapes fs;
   if (auto e = check_fetch(op, m, indices, *data, *sf_out, *status, alloc_id, offset, num_entries, row_bytes,
                            mode, sf_alloc_id, sf_offset, num_sf_packs, sf_layout, &fs);
@@ -177,8 +195,29 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.sm_count = st.sm_count;
   f.device_memory = region_in_device_segments(*a, static_cast<uint64_t>(offset),
                                               static_cast<uint64_t>(num_entries) * row_bytes);
-  cudaError_t ce = launch_engram_fetch(f, run_on);
-  if (ce != cudaSuccess) return cuda_failure(op, "launching the gather kernel", ce);
+  f.timeout_ns = m.timeout_ns();
+  f.gather = gc.gather;
+  f.gather_sms = gc.sms;
+  f.tma_smem_bytes = gc.tma_smem_bytes;
+  f.sm_loads = gc.loads;
+  f.sm_blocks_per_sm = gc.blocks_per_sm;
+  EngramLaunchInfo info;
+  cudaError_t ce = launch_engram_fetch(f, run_on, &info);
+  if (ce != cudaSuccess)
+    return cuda_failure(op, std::string("launching the ") + gather_name(info.gather) +
+                                " gather kernel (T " + num(T) + ", E " + num(E) + ", row_bytes " + num(row_bytes) +
+                                ", smem " + num(info.smem_bytes) + ")",
+                        ce);
+  if (engram_trace()) {
+    std::fprintf(stderr,
+                 "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement %s overlap %d asked %s "
+                 "ran %s sms %d chunk_bytes %lld chunks %lld smem %lld\n",
+                 m.rank, static_cast<long long>(T), static_cast<long long>(E), static_cast<long long>(row_bytes),
+                 f.device_memory ? "device" : "host", static_cast<int>(overlap && run_on != stream),
+                 gather_name(gc.gather), gather_name(info.gather),
+                 info.sms, static_cast<long long>(info.chunk_bytes), static_cast<long long>(info.chunks),
+                 static_cast<long long>(info.smem_bytes));
+  }
   return ffi::Error::Success();
 }
 

@@ -42,7 +42,13 @@ auto bind_engram_fetch(B&& b) {
       .template Attr<int64_t>("sf_offset")
       .template Attr<int64_t>("num_sf_packs")
       .template Attr<int64_t>("sf_layout")
-      .template Attr<int64_t>("overlap");
+      .template Attr<int64_t>("overlap")
+      // gather configuration (jax_engram/config.py EngramConfig.ffi_attrs; engram_layout.h Gather / Loads)
+      .template Attr<int64_t>("gather")
+      .template Attr<int64_t>("gather_sms")
+      .template Attr<int64_t>("tma_smem_bytes")
+      .template Attr<int64_t>("sm_loads")
+      .template Attr<int64_t>("sm_blocks_per_sm");
 }
 
 template <typename B>

@@ -82,5 +82,35 @@ inline ffi::Error check_fetch(int32_t op, Member& m, const ffi::AnyBuffer& indic
                    static_cast<uint64_t>(P > 0 ? f->total * P * engram::kSfWordBytes : 0), op, &f->sf_table);
 }
 
+// fetch: the gather configuration attributes (EngramConfig). Checked on every backend, used by CUDA only.
+struct GatherConfig {
+  int32_t gather = engram::kGatherSm;
+  int32_t sms = 1;
+  int64_t tma_smem_bytes = engram::kTmaMinSmemBytes;
+  int32_t loads = engram::kLoadsAuto;
+  int32_t blocks_per_sm = 0;
+};
+inline ffi::Error check_gather_config(int32_t op, int64_t gather, int64_t gather_sms, int64_t tma_smem_bytes,
+                                      int64_t sm_loads, int64_t sm_blocks_per_sm, GatherConfig* g) {
+  if (gather != engram::kGatherSm && gather != engram::kGatherTma && gather != engram::kGatherSmFew)
+    return op_error(op, "bad gather " + num(gather) + " (0 = sm, 1 = tma, 2 = sm_few)");
+  if (gather_sms < 1 || gather_sms > engram::kMaxGatherSms)
+    return op_error(op, "gather_sms " + num(gather_sms) + " is not in [1, " + num(engram::kMaxGatherSms) + "]");
+  if (tma_smem_bytes < engram::kTmaMinSmemBytes || tma_smem_bytes > (int64_t{1} << 30))
+    return op_error(op, "tma_smem_bytes " + num(tma_smem_bytes) + " is below the minimum " +
+                            num(engram::kTmaMinSmemBytes));
+  if (sm_loads < engram::kLoadsAuto || sm_loads > engram::kLoadsPlain)
+    return op_error(op, "bad sm_loads " + num(sm_loads) + " (0 auto, 1 volatile, 2 cg, 3 plain)");
+  if (sm_blocks_per_sm < 0 || sm_blocks_per_sm > engram::kMaxBlocksPerSm)
+    return op_error(op, "sm_blocks_per_sm " + num(sm_blocks_per_sm) + " is not in [0, " +
+                            num(engram::kMaxBlocksPerSm) + "]");
+  g->gather = static_cast<int32_t>(gather);
+  g->sms = static_cast<int32_t>(gather_sms);
+  g->tma_smem_bytes = tma_smem_bytes;
+  g->loads = static_cast<int32_t>(sm_loads);
+  g->blocks_per_sm = static_cast<int32_t>(sm_blocks_per_sm);
+  return ffi::Error::Success();
+}
+
 }  // namespace engram_validate
 }  // namespace jax_engram

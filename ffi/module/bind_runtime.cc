@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "handlers/common.h"
+#include "jax_engram/engram_layout.h"
 #include "jax_engram/ep_layout.h"
 
 namespace nb = nanobind;
@@ -71,6 +72,33 @@ void bind_runtime(nb::module_& m, const char* platform) {
     for (int j = 0; j <= P; ++j) b[j] = ep_ce_piece_begin(per, P, j, tau);
     for (int off = 0; off < per; ++off) of[off] = ep_ce_piece_of(off, per, P, tau);
     return nb::make_tuple(b, of);
+  });
+  // Engram bulk-copy gather plan (engram_layout.h TmaPlan), used by the CUDA launcher; here for tests and for the
+  // benchmark's "SMs held" column. engram_tma_pieces lists chunk c's row pieces as (row, row_off, stage_off, len).
+  m.def("engram_tma_plan", [](int64_t n_rows, int64_t row_bytes, int32_t sms, int64_t smem_budget) {
+    const engram::TmaPlan p = engram::tma_plan(n_rows, row_bytes, sms, smem_budget);
+    nb::dict d;
+    d["chunk_bytes"] = p.chunk_bytes;
+    d["chunks"] = p.chunks;
+    d["stages"] = p.stages;
+    d["grid"] = p.grid;
+    d["smem_bytes"] = p.smem_bytes;
+    d["warps"] = engram::kTmaWarps;
+    return d;
+  });
+  m.def("engram_tma_eligible", [](int64_t row_bytes, uint64_t table_offset, uint64_t out_address) {
+    return engram::tma_eligible(row_bytes, table_offset, out_address);
+  });
+  m.def("engram_tma_pieces", [](int64_t c, int64_t chunk_bytes, int64_t row_bytes, int64_t n_rows) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    int64_t r0 = 0, r1 = -1;
+    if (engram::tma_chunk_rows(c, chunk_bytes, row_bytes, n_rows, &r0, &r1))
+      for (int64_t r = r0; r <= r1; ++r) {
+        int64_t ro, so, len;
+        engram::tma_piece(c, chunk_bytes, row_bytes, n_rows, r, &ro, &so, &len);
+        out.emplace_back(r, ro, so, len);
+      }
+    return out;
   });
   m.def("member_create",
         [](int64_t ctx, int32_t ordinal, int32_t group, int32_t rank, int32_t nranks, double timeout_s,

@@ -8,19 +8,24 @@ Run:
   under the launcher:  python -m jax_engram.launch -n 2 [--platform cuda] tests/workers/engram_check.py
   one process:         python tests/workers/engram_check.py --platform cpu --cpu-devices 4
                        python tests/workers/engram_check.py --platform cuda        (all local GPUs)
-Options: --suite full|core|quick (what to run), --only SUBSTR (case names containing it), --list.
+Options: --suite full|core|quick (what to run), --only SUBSTR (case names containing it), --list,
+--gather default|tma|sm (the EngramConfig of every table: "tma" makes lookups use the bulk-copy gather too,
+"sm" makes overlapped fetches use the full-grid gather too; --num-sms sets its SMs).
 
 Cases (suite membership in brackets): dtype x placement with every mode and both sf layouts [full: all,
 core: all dtypes host + bf16 device, quick: bf16 + fp8/col host]; E in {1, 24, 32} x hidden {64, 128};
 hidden 7168 with small T (bf16, fp8 + 56 packs); rows not a multiple of 16 bytes; replicated ids;
 non-int32 ids (saturating); write -> fetch in one jit; second write replaces the table (also within one
-jit, ordered by the lookup's data); fetch / XLA work / wait; jit cache when T changes; fetch before any
+jit, ordered by the lookup's data); fetch / XLA work / wait; both gathers and their configs against each
+other (many chunks per pipeline, rows larger than a chunk, small num_sms, every mode, FP8 + sf, fetch and
+lookup); EngramConfig validation; jit cache when T changes; fetch before any
 write; T = 0; init reservations (carving and the "too small" error); trace-time validation; checked mode
 out of range (raised once by the call; the table and its context stay usable).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -44,6 +49,9 @@ ap.add_argument("--cpu-devices", type=int, default=4, help="standalone CPU runs:
 ap.add_argument("--suite", default="full", choices=["full", "core", "quick"])
 ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
 ap.add_argument("--list", action="store_true")
+ap.add_argument("--gather", default="default", choices=["default", "tma", "sm", "sm_few"],
+                help="EngramConfig of every table: default, or this gather for fetch and lookup alike")
+ap.add_argument("--num-sms", type=int, default=None, help="EngramConfig.num_sms of every table")
 args = ap.parse_args()
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -75,6 +83,10 @@ R = len(DEVS)
 PLATFORM = DEVS[0].platform
 mesh = jax.make_mesh((R,), (AX,), axis_types=(jax.sharding.AxisType.Explicit,), devices=DEVS)
 ctx = je.init(mesh, AX, timeout_s=120.0)
+_cfg_kw = {} if args.gather == "default" else dict(fetch_gather=args.gather, lookup_gather=args.gather)
+if args.num_sms is not None:
+    _cfg_kw["num_sms"] = args.num_sms
+CONFIG = je.EngramConfig(**_cfg_kw)
 _ref = jax.jit(reference.engram_lookup, static_argnames=("mode", "sf_layout"))
 
 
@@ -165,8 +177,9 @@ def check_lookups(table, x, sf, seed, T, E, modes=("fill", "clip", "checked"), l
             assert_global_equal(s, want_sf, f"sf mode={mode} sf_layout={layout}")
 
 
-def new_table(N, H, dt, placement, packs=0, sf_dtype=np.float32, c=None):
-    return je.EngramTable(c or ctx, N, H, dt, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype)
+def new_table(N, H, dt, placement, packs=0, sf_dtype=np.float32, c=None, config=None):
+    return je.EngramTable(c or ctx, N, H, dt, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype,
+                          config=config or CONFIG)
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -340,6 +353,126 @@ def _():
     assert_global_equal(data, reference_lookup(x, None, ids, N, "clip", "row")[0], "fetch/work/wait")
 
 
+
+# Gathers against each other and the reference: every config below must give the reference's bits. On GPU they
+# are different kernels ("tma": bulk copies on few CTAs; "sm": vector loads); on CPU one gather serves all.
+_GATHER_CONFIGS = {
+    "tma_1sm_min_smem": je.EngramConfig(fetch_gather="tma", lookup_gather="tma", num_sms=1, tma_smem_kib=16),
+    "tma_3sm": je.EngramConfig(fetch_gather="tma", lookup_gather="tma", num_sms=3, tma_smem_kib=64),
+    "tma_default": je.EngramConfig(lookup_gather="tma"),
+    "sm_full_grid": je.EngramConfig(fetch_gather="sm", lookup_gather="sm", sm_loads="volatile"),
+    "sm_few_2sm": je.EngramConfig(fetch_gather="sm_few", lookup_gather="sm_few", num_sms=2, sm_loads="plain"),
+}
+
+
+def _check_configs(t, x, sf, T, E, modes, layouts, seed, configs=tuple(_GATHER_CONFIGS)):
+    """Every config: lookups in every mode / layout, and one overlapped fetch (first mode, last layout)."""
+    for name in configs:
+        cfg = _GATHER_CONFIGS[name]
+        for k, mode in enumerate(modes):
+            ids = make_ids(seed + k, R * T, E, t.total_entries, special=(mode != "checked"))
+            for layout in layouts:
+                want, want_sf = reference_lookup(x, sf, ids, t.num_entries, mode, layout)
+                data, s = t.lookup_global(sharded(ids), mode=mode, sf_layout=layout, config=cfg)
+                assert_global_equal(data, want, f"lookup {name} mode={mode} sf_layout={layout}")
+                assert_global_equal(s, want_sf, f"lookup sf {name} mode={mode} sf_layout={layout}")
+                if k or layout != layouts[-1]:
+                    continue
+
+                def body(i, m=mode, lay=layout, c=cfg):  # overlapped fetch (side stream on GPU) with XLA work
+                    pend = t.fetch(i, mode=m, sf_layout=lay, config=c)
+                    y = jnp.tanh(jnp.ones((64, 64), jnp.float32) @ jnp.ones((64, 64), jnp.float32))
+                    d, s2 = t.wait(pend, token=y)
+                    return d, (s2 if s2 is not None else jnp.zeros((1, 1), jnp.float32))
+
+                f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX, None),
+                                          out_specs=(P(AX, None), P(AX, None))))
+                d, s2 = f(sharded(ids))
+                assert_global_equal(d, want, f"fetch {name} mode={mode} sf_layout={layout}")
+                if sf is not None:
+                    assert_global_equal(s2, want_sf, f"fetch sf {name} mode={mode} sf_layout={layout}")
+
+
+@case("gather_configs_bf16_host_many_chunks", ("full", "core", "quick"))
+def _():
+    # 300 tokens x 24 ids x 256 B = 1.8 MB per rank: many chunks per pipeline at 1 SM / 16 KiB (1 KiB chunks)
+    N, H = 512, 128
+    t = new_table(N, H, BF16, "host")
+    x, _ = make_table_data(201, N, H, BF16, 0)
+    t.write_global(x)
+    _check_configs(t, x, None, T=300, E=24, modes=("fill", "clip"), layouts=("row",), seed=202)
+
+
+@case("gather_configs_every_dtype", ("full", "core"))
+def _():
+    for dt, pl, H, packs in ((F16, "device", 64, 0), (F32, "host", 32, 0), (FP8, "device", 256, 2),
+                             (FP8, "host", 128, 1)):
+        N = 40
+        t = new_table(N, H, dt, pl, packs)
+        x, sf = make_table_data(int(H) + packs, N, H, dt, packs, t.sf_dtype)
+        t.write_global(x, sf)
+        _check_configs(t, x, sf, T=7, E=24, modes=("fill", "checked"),
+                       layouts=("row", "tma_col_major") if packs else ("row",), seed=H,
+                       configs=("tma_1sm_min_smem", "tma_3sm"))
+
+
+@case("gather_configs_rows_larger_than_chunk", ("full", "core", "quick"))
+def _():
+    # 14 KiB rows over 1 KiB chunks (tma_1sm_min_smem): every row is many pieces in many chunks; padding rows too
+    N, H = 8, 7168
+    t = new_table(N, H, BF16, "host")
+    x, _ = make_table_data(301, N, H, BF16, 0)
+    t.write_global(x)
+    _check_configs(t, x, None, T=3, E=5, modes=("fill",), layouts=("row",), seed=302,
+                   configs=("tma_1sm_min_smem", "tma_default"))
+
+
+@case("gather_configs_rows_not_multiple_of_16", ("full", "core"))
+def _():
+    # bulk copies need 16-byte rows: "tma" falls back to the vector gather on num_sms CTAs
+    for H, dt in ((100, BF16), (3, BF16), (65, FP8)):
+        packs = 1 if dt == FP8 else 0
+        N = 33
+        t = new_table(N, H, dt, "device", packs)
+        x, sf = make_table_data(H * 11, N, H, dt, packs)
+        t.write_global(x, sf)
+        _check_configs(t, x, sf, T=9, E=5, modes=("fill", "clip"), layouts=("row",), seed=H,
+                       configs=("tma_1sm_min_smem", "sm_few_2sm"))
+
+
+@case("config_validation", ("full", "core", "quick"))
+def _():
+    _raises(lambda: je.EngramConfig(fetch_gather="dma"), ValueError, "fetch_gather")
+    _raises(lambda: je.EngramConfig(lookup_gather="x"), ValueError, "lookup_gather")
+    _raises(lambda: je.EngramConfig(num_sms=0), ValueError, "num_sms")
+    _raises(lambda: je.EngramConfig(num_sms=True), ValueError, "num_sms")
+    _raises(lambda: je.EngramConfig(tma_smem_kib=8), ValueError, "tma_smem_kib")
+    _raises(lambda: je.EngramConfig(sm_loads="ca"), ValueError, "sm_loads")
+    _raises(lambda: je.EngramConfig(sm_blocks_per_sm=-1), ValueError, "sm_blocks_per_sm")
+    _raises(lambda: new_table(8, 64, BF16, "device", config="tma"), TypeError, "EngramConfig")
+    c = je.EngramConfig(num_sms=2)
+    assert c == je.EngramConfig(num_sms=2) and hash(c) == hash(je.EngramConfig(num_sms=2))
+    assert c.gather(True) == "tma" and c.gather(False) == "sm"
+    a = c.ffi_attrs(True)
+    assert a == dict(gather=1, gather_sms=2, tma_smem_bytes=192 * 1024, sm_loads=0, sm_blocks_per_sm=0), a
+    try:
+        c.num_sms = 3
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("EngramConfig is not frozen")
+    # a config is part of the jit cache key: a lookup with another config compiles its own executable
+    t = new_table(16, 64, BF16, "device")
+    x, _ = make_table_data(401, 16, 64, BF16, 0)
+    t.write_global(x)
+    ids = make_ids(402, R * 2, 3, t.total_entries)
+    for cfg in (None, je.EngramConfig(lookup_gather="tma", num_sms=1)):
+        data, _ = t.lookup_global(sharded(ids), config=cfg)
+        assert_global_equal(data, reference_lookup(x, None, ids, 16, "fill", "row")[0], f"config {cfg}")
+    assert t._lookup_fn("fill", "row", True)._cache_size() == 1
+    assert t._lookup_fn("fill", "row", True, je.EngramConfig(lookup_gather="tma", num_sms=1))._cache_size() == 1
+
+
 _FETCH_ATTRS = re.compile(r"@jax_engram_engram_fetch\([^)]*\)\s*\{[^\n]*?mhlo\.backend_config = (\{[^}]*\})")
 
 
@@ -497,6 +630,12 @@ def _():
         t = new_table(N, H, BF16, "device", c=c2)
         run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "mode": 7}),
             lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "bad mode 7")
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "gather": 5}),
+            lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "bad gather 5")
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "gather_sms": 0}),
+            lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "gather_sms 0")
         t = new_table(N, H, BF16, "device", c=c2)  # the context still works after the refused calls
         t.write_global(x)
         got, _ = t.lookup_global(sharded(ids))
@@ -552,7 +691,7 @@ def main():
             print(n)
         return 0
     info = dict(platform=PLATFORM, ranks=R, processes=jax.process_count(), local_devices=jax.local_device_count(),
-                suite=args.suite)
+                suite=args.suite, gather=args.gather, config=str(CONFIG))
     print(f"engram_check: {info}", flush=True)
     passed, failed, times = [], {}, {}
     for name, fn in sel:

@@ -75,4 +75,86 @@ struct FastDiv {
   }
 };
 
+// ---- gather configuration (jax_engram/config.py EngramConfig, passed as fetch attributes) ----------------------
+// Gather: how the CUDA gather moves rows. kGatherSm: vector loads / stores by a grid of resident 256-thread blocks.
+// kGatherTma: bulk copies global -> shared -> global (cp.async.bulk) on at most `gather_sms` CTAs (TmaPlan below).
+// kGatherSmFew: the vector gather on at most `gather_sms` CTAs (what kGatherTma runs where bulk copies cannot).
+enum Gather : int32_t { kGatherSm = 0, kGatherTma = 1, kGatherSmFew = 2 };
+// Loads of the kGatherSm path: kLoadsAuto = kLoadsCg for tables in HBM, kLoadsVolatile for host memory.
+enum Loads : int32_t { kLoadsAuto = 0, kLoadsVolatile = 1, kLoadsCg = 2, kLoadsPlain = 3 };
+inline constexpr int32_t kMaxGatherSms = 1024;
+inline constexpr int32_t kMaxBlocksPerSm = 64;
+
+// ---- bulk-copy (TMA) gather plan --------------------------------------------------------------------------
+// The output [T*E*row_bytes] is cut into `chunks` of `chunk_bytes` (the last one shorter). Every CTA runs
+// kTmaWarps independent pipelines (one per warp); global warp w = cta*kTmaWarps + warp takes chunks w, w + W,
+// w + 2W, ... (W = grid*kTmaWarps) through its `stages` shared-memory buffers of chunk_bytes: the warp's lanes
+// issue one bulk copy per row piece of a chunk (global -> shared, completing on the stage's mbarrier), and lane 0
+// writes the whole chunk back with one bulk copy (shared -> global) once it has landed. A row piece is the part
+// of one row inside one chunk: rows larger than a chunk span several chunks, small rows share one. Bulk copies
+// need 16-byte sizes and addresses, hence chunk_bytes and row_bytes multiples of 16 (tma_eligible).
+inline constexpr int32_t kTmaWarps = 4;
+inline constexpr int32_t kTmaStages = 4;
+inline constexpr int64_t kTmaAlign = 16;
+inline constexpr int64_t kTmaMinChunk = 1024;
+inline constexpr int64_t kTmaMaxChunk = 32768;   // well inside an mbarrier's transaction count (2^20 - 1)
+inline constexpr int64_t kTmaMinSmemBytes = kTmaWarps * kTmaStages * kTmaMinChunk;  // 16 KiB
+
+struct TmaPlan {
+  int64_t chunk_bytes = 0;  // multiple of kTmaAlign
+  int64_t chunks = 0;       // ceil(total bytes / chunk_bytes)
+  int32_t stages = 0;       // buffers per warp
+  int32_t grid = 0;         // CTAs, in [1, gather_sms]
+  int64_t smem_bytes = 0;   // dynamic shared memory per CTA = kTmaWarps * stages * chunk_bytes
+};
+
+// Bulk copies can move these rows: 16-byte row sizes, table region offset and output address.
+JE_HD bool tma_eligible(int64_t row_bytes, uint64_t table_offset, uint64_t out_address) {
+  return row_bytes > 0 && row_bytes % kTmaAlign == 0 && table_offset % kTmaAlign == 0 && out_address % kTmaAlign == 0;
+}
+
+// Plan of a gather of n_rows rows of row_bytes on at most `sms` CTAs with at most `smem_budget` bytes of shared
+// memory per CTA. Chunks are as large as the budget allows (fewer copies and waits per byte) but small enough that
+// every pipeline of the grid gets kTmaStages of them when the lookup is small (all rows in flight at once).
+JE_HD TmaPlan tma_plan(int64_t n_rows, int64_t row_bytes, int32_t sms, int64_t smem_budget) {
+  TmaPlan p;
+  p.stages = kTmaStages;
+  const int64_t bytes = n_rows * row_bytes;
+  int64_t cmax = smem_budget / (kTmaWarps * kTmaStages) / kTmaAlign * kTmaAlign;
+  cmax = cmax < kTmaMinChunk ? kTmaMinChunk : (cmax > kTmaMaxChunk ? kTmaMaxChunk : cmax);
+  const int64_t pipelines = static_cast<int64_t>(sms < 1 ? 1 : sms) * kTmaWarps;
+  int64_t c = static_cast<int64_t>(align_up(static_cast<uint64_t>(ceil_div(bytes, pipelines * kTmaStages)), kTmaAlign));
+  c = c < kTmaMinChunk ? kTmaMinChunk : (c > cmax ? cmax : c);
+  p.chunk_bytes = c;
+  p.chunks = bytes > 0 ? ceil_div(bytes, c) : 0;
+  const int64_t g = ceil_div(p.chunks, kTmaWarps);
+  p.grid = static_cast<int32_t>(g < 1 ? 1 : (g > sms ? (sms < 1 ? 1 : sms) : g));
+  p.smem_bytes = static_cast<int64_t>(kTmaWarps) * p.stages * c;
+  return p;
+}
+
+// Rows [*r0, *r1] (inclusive) that chunk `c` of a plan touches; false for an empty chunk.
+JE_HD bool tma_chunk_rows(int64_t c, int64_t chunk_bytes, int64_t row_bytes, int64_t n_rows, int64_t* r0,
+                          int64_t* r1) {
+  const int64_t total = n_rows * row_bytes, b0 = c * chunk_bytes;
+  if (b0 >= total || row_bytes <= 0) return false;
+  const int64_t b1 = b0 + chunk_bytes < total ? b0 + chunk_bytes : total;
+  *r0 = b0 / row_bytes;
+  *r1 = (b1 - 1) / row_bytes;
+  return true;
+}
+
+// Piece of row `row` inside chunk `c`: bytes [*row_off, *row_off + *len) of the row go to bytes [*stage_off, ..)
+// of the chunk's stage buffer (and so to output byte c*chunk_bytes + *stage_off).
+JE_HD void tma_piece(int64_t c, int64_t chunk_bytes, int64_t row_bytes, int64_t n_rows, int64_t row, int64_t* row_off,
+                     int64_t* stage_off, int64_t* len) {
+  const int64_t total = n_rows * row_bytes, b0 = c * chunk_bytes;
+  const int64_t b1 = b0 + chunk_bytes < total ? b0 + chunk_bytes : total;
+  const int64_t lo = row * row_bytes > b0 ? row * row_bytes : b0;
+  const int64_t hi = (row + 1) * row_bytes < b1 ? (row + 1) * row_bytes : b1;
+  *row_off = lo - row * row_bytes;
+  *stage_off = lo - b0;
+  *len = hi - lo;
+}
+
 }  // namespace jax_engram::engram

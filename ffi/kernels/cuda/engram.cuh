@@ -26,26 +26,30 @@ struct EngramFetchArgs {
   int32_t* status = nullptr;          // one int32 (engram_layout.h kNoBadPosition)
   ErrorRecord* err = nullptr;         // checked mode: where kErrIdOutOfRange goes
   int32_t rank = 0;
-  int sm_count = 0;                   // grid size
+  int sm_count = 0;                   // SMs of the device: the "sm" gather's grid
   bool device_memory = false;         // the table lies in device (HBM) segments: picks the load kind
+  uint64_t timeout_ns = 0;            // bound of the "tma" gather's waits (the context timeout)
+  // gather configuration (jax_engram/config.py EngramConfig; engram_layout.h Gather / Loads)
+  int32_t gather = 0;                 // engram::Gather
+  int32_t gather_sms = 4;             // "tma": CTAs (one per SM); also the CTA cap of its "sm" fallback
+  int64_t tma_smem_bytes = 0;         // "tma": shared memory per CTA (clamped to the device's opt-in limit)
+  int32_t sm_loads = 0;               // engram::Loads
+  int32_t sm_blocks_per_sm = 0;       // "sm": grid cap in 256-thread blocks per SM (0: occupancy)
 };
 
-// Tuning knobs, read once from the environment (for benchmarking; defaults are the safe choice):
-//   JAX_ENGRAM_ENGRAM_BLOCKS_PER_SM  grid cap = sm_count * this (default 0 = as many 256-thread blocks as
-//                                    are resident at once, from the occupancy calculator)
-//   JAX_ENGRAM_ENGRAM_LOADS          unset (default): "cg" for a table in HBM (L2-only loads: peer HBM is cached
-//                                    only in its owner's L2), "volatile" for host memory (relaxed.sys loads: the
-//                                    reading GPU's L2 may hold a stale line of host memory another GPU wrote) |
-//                                    "volatile" | "cg" | "plain" (ordinary global loads) for every placement
-struct EngramTuning {
-  enum Loads { kAuto = 0, kVolatile = 1, kCg = 2, kPlain = 3 };
-  int blocks_per_sm = 0;  // 0: occupancy
-  int loads = kAuto;
+// Which kernel a fetch ran (for diagnosis and the benchmark): engram::kGatherSm or kGatherTma, and the CTAs.
+struct EngramLaunchInfo {
+  int32_t gather = -1;       // -1: nothing launched (no rows and no sf padding)
+  int32_t sms = 0;           // at most this many SMs run the gather ("tma": its CTAs, one per SM)
+  int64_t chunk_bytes = 0;   // "tma": engram::TmaPlan
+  int64_t chunks = 0;
+  int64_t smem_bytes = 0;
 };
-const EngramTuning& engram_tuning();
 
-// Enqueues the gather (and, in checked mode, the status reset and the range check) on `stream`.
-cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream);
+// Enqueues the gather (and, in checked mode, the status reset and the range check) on `stream`. The "tma" gather
+// runs when asked for and tma_eligible (16-byte rows and addresses); otherwise the "sm" gather, capped at
+// gather_sms CTAs when "tma" was asked for (the caller wanted few SMs held). `info` (optional) says which ran.
+cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream, EngramLaunchInfo* info = nullptr);
 
 // cudaSuccess if this module has a kernel image for the current device.
 cudaError_t engram_kernels_loadable();

@@ -1,0 +1,82 @@
+"""Typed configuration of jax_engram's ops: frozen dataclasses whose fields reach the native handlers as FFI
+attributes, so a configuration is part of the jit cache key (no environment variables on the hot path).
+
+One section per op family; each section is self-contained (its own types, validation and attribute mapping).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+__all__ = ["EngramConfig", "EngramGather", "EngramLoads"]
+
+
+# ============================================================================================== Engram
+#: How the CUDA Engram gather moves rows (engram_layout.h Gather).
+#:   "tma": bulk copies (cp.async.bulk) global -> shared -> global on ``num_sms`` CTAs, one pipeline per warp
+#:          with several chunks in flight; the SMs it does not hold stay free for the model.
+#:   "sm":  vector loads and stores by every thread of a grid as large as what is resident at once.
+#:   "sm_few": the "sm" gather on at most ``num_sms`` CTAs (what "tma" runs where bulk copies cannot).
+EngramGather = Literal["tma", "sm", "sm_few"]
+#: Load kind of the "sm" gather (engram_layout.h Loads): "auto" = "cg" (L2-only) for a table in HBM,
+#: "volatile" (relaxed.sys, never a stale cached line) for host memory; or one of them for every placement.
+EngramLoads = Literal["auto", "volatile", "cg", "plain"]
+
+_GATHER = {"sm": 0, "tma": 1, "sm_few": 2}
+_LOADS = {"auto": 0, "volatile": 1, "cg": 2, "plain": 3}
+_MAX_NUM_SMS = 1024            # engram_layout.h kMaxGatherSms
+_MIN_TMA_SMEM_KIB = 16         # engram_layout.h kTmaMinSmemBytes / 1024
+_MAX_TMA_SMEM_KIB = 227        # Hopper's per-block opt-in limit; the launcher clamps to the device's
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramConfig:
+    """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated: the CPU gather
+    is synchronous and has no such choices).
+
+    Attributes:
+      fetch_gather: gather of an overlapped ``fetch`` (``overlap=True``, side stream). Default ``"tma"``: the
+        bulk-copy gather holds ``num_sms`` SMs, so the model's kernels between fetch and wait keep the rest.
+      lookup_gather: gather of ``lookup`` / ``fetch(overlap=False)`` (XLA's stream, nothing to overlap).
+        Default ``"sm"``: the full-grid gather has the lowest latency for small lookups, and large ones are
+        bound by the link either way; ``"tma"`` makes lookups hold ``num_sms`` SMs too.
+      num_sms: CTAs of the ``"tma"`` gather (one per SM: each takes ``tma_smem_kib`` of shared memory), the
+        analogue of DeepEP's ``num_qps``; also the CTAs of ``"sm_few"``, which ``"tma"`` falls back to where rows
+        cannot move by bulk copies (row size or addresses not multiples of 16 bytes).
+      tma_smem_kib: shared memory per CTA of the ``"tma"`` gather (its rows in flight: 4 warps x 4 stages of
+        chunks), clamped to what the device allows.
+      sm_loads: load kind of the ``"sm"`` gather (:data:`EngramLoads`).
+      sm_blocks_per_sm: grid cap of the full-grid ``"sm"`` gather in 256-thread blocks per SM; 0 = as many as
+        are resident at once (occupancy calculator).
+    """
+
+    fetch_gather: EngramGather = "tma"
+    lookup_gather: EngramGather = "sm"
+    num_sms: int = 4
+    tma_smem_kib: int = 192
+    sm_loads: EngramLoads = "auto"
+    sm_blocks_per_sm: int = 0
+
+    def __post_init__(self):
+        pre = "jax_engram.EngramConfig"
+        for name in ("fetch_gather", "lookup_gather"):
+            v = getattr(self, name)
+            if v not in _GATHER:
+                raise ValueError(f"{pre}: {name} must be one of {tuple(_GATHER)}, got {v!r}")
+        if self.sm_loads not in _LOADS:
+            raise ValueError(f"{pre}: sm_loads must be one of {tuple(_LOADS)}, got {self.sm_loads!r}")
+        for name, lo, hi in (("num_sms", 1, _MAX_NUM_SMS), ("tma_smem_kib", _MIN_TMA_SMEM_KIB, _MAX_TMA_SMEM_KIB),
+                             ("sm_blocks_per_sm", 0, 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{pre}: {name} must be an int in [{lo}, {hi}], got {v!r}")
+
+    def gather(self, overlap: bool) -> EngramGather:
+        """The gather a fetch with this ``overlap`` uses."""
+        return self.fetch_gather if overlap else self.lookup_gather
+
+    def ffi_attrs(self, overlap: bool) -> dict[str, int]:
+        """The fetch handler's attributes for a fetch with this ``overlap`` (engram_bindings.h)."""
+        return dict(gather=_GATHER[self.gather(overlap)], gather_sms=self.num_sms,
+                    tma_smem_bytes=self.tma_smem_kib * 1024, sm_loads=_LOADS[self.sm_loads],
+                    sm_blocks_per_sm=self.sm_blocks_per_sm)
