@@ -24,11 +24,24 @@ so consecutive lookups read different rows (tiny T still re-reads the same few r
 may serve them). Baselines are timed per call and in a loop (the same slope timing) whose body also adds 1 to the ids (one small
 elementwise kernel) so that XLA cannot hoist the loop-invariant lookup.
 
+--overlap (issue 20: a fetch that leaves the GPU to the model): X = compute that saturates the SMs -- a bf16
+GEMM (jnp.dot, --gemm-n) and the MoE expert GEMMs (two jax.lax.ragged_dot with a SiLU between, --moe-rows rows
+over 8 experts, hidden 7168, 2048 wide) -- and a fetch sized to take as long as X alone. Per X, in one run:
+t(X alone); t(X with an overlapped fetch) for the bulk-copy gather on --num-sms SMs ("tma", the default of
+fetch) and the full-grid gather ("sm"); the same X beside the JAX alternatives (jnp.take on the table in
+pinned host memory via compute_on("device_host"), and the all_to_all lookup of a device table); "sm_few" (the
+vector gather on --num-sms CTAs) for comparison; t(fetch alone)
+with its GB/s as % of the same-run host -> device ceiling and the SMs it holds (the bulk-copy kernel's CTAs,
+one per SM, from the native module's plan; the full-grid gather holds every SM); and DeepEP's shape (T=512, E=24, 256-byte rows) standalone for both gathers and
+placements. One GPU (R = 1) with host placement is the intended setup.
+
 Run (one process over all local GPUs, or under the launcher):
   python benchmarks/bench_engram.py --out engram.json                 # DeepEP shape + T and hidden sweeps
   python benchmarks/bench_engram.py --deepep-only --out e.json        # just T=512, E=24, hidden 128
   python -m jax_engram.launch -n 2 --platform cuda benchmarks/bench_engram.py --out e.json
   JAX_PLATFORMS=cpu python benchmarks/bench_engram.py --tiny --out /tmp/e.json    # CPU smoke check
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_engram.py --overlap --out overlap.json   # one H200
+  JAX_PLATFORMS=cpu python benchmarks/bench_engram.py --overlap --tiny --out /tmp/o.json  # CPU smoke check
 """
 from __future__ import annotations
 
@@ -62,6 +75,17 @@ ap.add_argument("--iters", type=int, default=10)
 ap.add_argument("--no-baselines", action="store_true")
 ap.add_argument("--no-overlap", action="store_true", help="skip the issue / wait split")
 ap.add_argument("--ceiling-bytes", type=int, default=1 << 30)
+ap.add_argument("--overlap", action="store_true",
+                help="issue 20's table: a fetch beside compute that saturates the SMs (GEMM, ragged_dot)")
+ap.add_argument("--overlap-placement", default="host", choices=["host", "device"],
+                help="--overlap: placement of the table the overlapped fetch reads")
+ap.add_argument("--num-sms", type=int, default=4, help="--overlap: EngramConfig.num_sms of the bulk-copy gather")
+ap.add_argument("--tma-smem-kib", type=int, default=192, help="--overlap: EngramConfig.tma_smem_kib")
+ap.add_argument("--gemm-n", type=int, default=8192, help="--overlap: the GEMM X is [n, n] x [n, n] bf16")
+ap.add_argument("--moe-rows", type=int, default=16384, help="--overlap: rows through the MoE expert GEMMs")
+ap.add_argument("--fetch-T", type=int, default=0,
+                help="--overlap: tokens of the overlapped fetch (0: sized so that the fetch alone takes as long "
+                     "as the GEMM X)")
 args = ap.parse_args()
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -71,7 +95,7 @@ import jax  # noqa: E402
 
 if cfg is None and args.tiny and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_num_cpu_devices", 1 if args.overlap else 2)  # --overlap: one device, as on one H200
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -91,7 +115,13 @@ def say(*a):
         print(*a, flush=True)
 
 
-if args.tiny:
+if args.tiny and args.overlap:
+    args.rows_per_rank = 4096
+    args.ceiling_bytes = 1 << 20
+    args.iters = 2
+    args.gemm_n = 64
+    args.moe_rows = 64
+elif args.tiny:
     args.rows_per_rank = 1024
     args.T_sweep = "1,16"
     args.hidden_sweep = "64"
@@ -388,6 +418,295 @@ def main():
         say(f"wrote {args.out}")
 
 
+
+# ------------------------------------------------------------------------------------- --overlap (issue 20)
+def _x_inputs():
+    """X's operands as global arrays, one copy per rank along axis 0 (per rank: y [n, n], b [n, n]; MoE: y [M, K],
+    w1 [G, K, F], w2 [G, F, K], group sizes [G]), scaled so that the chained products stay finite."""
+    n, M = args.gemm_n, args.moe_rows
+    K, F, G = (32, 16, 4) if args.tiny else (7168, 2048, 8)
+    M = max(G, M // G * G)
+    sh = NamedSharding(mesh, P(AX))
+
+    def gen(key):
+        k = jax.random.split(key, 5)
+        nrm = lambda kk, shape, sc: (jax.random.normal(kk, shape, jnp.float32) * sc).astype(jnp.bfloat16)  # noqa
+        return dict(gemm=(nrm(k[0], (R * n, n), 1.0), nrm(k[1], (R * n, n), 0.5 / math.sqrt(n))),
+                    moe=(nrm(k[2], (R * M, K), 1.0), nrm(k[3], (R * G, K, F), 1.0 / math.sqrt(K)),
+                         nrm(k[4], (R * G, F, K), 0.5 / math.sqrt(F)), jnp.full((R * G,), M // G, jnp.int32)))
+
+    out = jax.jit(gen, out_shardings=dict(gemm=(sh, sh), moe=(sh, sh, sh, sh)))(jax.random.key(11))
+    flops = dict(gemm=2 * n ** 3, moe=2 * 2 * M * K * F)
+    return out, flops, dict(gemm=f"jnp.dot [{n},{n}]x[{n},{n}] bf16",
+                            moe=f"ragged_dot x2 (SiLU between): {M} rows, {G} experts, {K} -> {F} -> {K} bf16")
+
+
+def _x_local(kind):
+    """X per rank (inside shard_map): (y, *w) -> y."""
+    if kind == "gemm":
+        return lambda y, b: jnp.dot(y, b)
+
+    def moe(y, w1, w2, gs):
+        h = jax.lax.ragged_dot(y, w1, gs)
+        return jax.lax.ragged_dot(jax.nn.silu(h), w2, gs)
+    return moe
+
+
+def _after(y, dep):
+    """y with a data dependency on the int32 array `dep` that costs one element update (not a pass over y)."""
+    return y.at[(0,) * y.ndim].add((dep.reshape(-1)[0] * 0).astype(y.dtype))
+
+
+def _spec(a):
+    return P(AX, *([None] * (a.ndim - 1)))
+
+
+def time_steps(body, carry, n, specs=None, iters=None):
+    """Per-step time of `body` (a shard_map body of *carry, or with specs=None a global step) in a slope-timed
+    jitted loop; returns (us, detail) or (None, error)."""
+    try:
+        step = loop_step(body, specs, specs) if specs is not None else (lambda c: body(*c))
+        t = C.time_loop_per_call(step, carry, n, iters=iters or args.iters)
+        return t["median_us"], dict(p10=t["p10_us"], p90=t["p90_us"], n=n, slope_ok=t.get("slope_ok"))
+    except Exception as e:  # noqa: BLE001 - one failed measurement must not lose the others
+        return None, dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+
+
+def _host_take_fn(table_arr):
+    """The JAX alternative for a host-memory table: the table in pinned host memory (memory kinds), the gather
+    computed on the host (compute_on "device_host") and the rows moved to the device. One device only.
+    Returns (fn(table, ids) -> rows [T, E*hidden] on the device, host table) or raises."""
+    from jax.experimental.compute_on import compute_on
+    if R != 1:
+        raise RuntimeError("the host-take baseline needs one device (R = 1)")
+    d = jax.local_devices()[0]
+    host_tab = jax.device_put(table_arr, jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host"))
+    dn = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+
+    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    def take_on_host(t, i):  # lax.gather: jnp.take's bounds handling brings device-memory constants along
+        rows = jax.lax.gather(t, i.reshape(-1, 1), dn, slice_sizes=(1, t.shape[1]),
+                              mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        return rows.reshape(i.shape[0], -1)
+
+    def fn(t, i):
+        i_host = jax.device_put(jax.sharding.reshard(i, NamedSharding(mesh, P())), jax.memory.Space.Host)
+        return jax.device_put(take_on_host(t, i_host), jax.memory.Space.Device)
+    return fn, host_tab
+
+
+def run_overlap():
+    """Issue 20's table (module docstring, --overlap). Returns the rows and the summary."""
+    from jax_engram import _ffi
+
+    info = C.env_info()
+    pl = args.overlap_placement
+    E, h = args.E, 128
+    rb = h * DT.itemsize
+    N = args.rows_per_rank
+    say(f"bench_engram --overlap: {R} ranks, {info['device_kind']}, jax {info['jax']}, placement {pl}, "
+        f"num_sms {args.num_sms}, tma_smem_kib {args.tma_smem_kib}")
+    ceil = measure_ceilings()
+    cg, cwhat = ceiling_gbps(ceil, pl)
+    say(f"ceiling ({cwhat}): " + (f"{cg:.1f} GB/s" if cg else "n/a"))
+    cfg_tma = je.EngramConfig(fetch_gather="tma", lookup_gather="tma", num_sms=args.num_sms,
+                              tma_smem_kib=args.tma_smem_kib)
+    cfg_sm = je.EngramConfig(fetch_gather="sm", lookup_gather="sm")
+    cfg_few = je.EngramConfig(fetch_gather="sm_few", lookup_gather="sm_few", num_sms=args.num_sms)
+    gathers = (("tma", cfg_tma), ("sm_few", cfg_few), ("sm", cfg_sm))
+    sms_total = info.get("sms") or 0
+    plan_mod = _ffi.native("cpu")
+
+    def sms_held(name, T):
+        if name == "sm":
+            return sms_total or None
+        if name == "sm_few":
+            return args.num_sms
+        return plan_mod.engram_tma_plan(T * E, rb, args.num_sms, args.tma_smem_kib * 1024)["grid"]
+
+    table_arr, _ = B.make_engram_inputs(mesh, N, h, 1, E, dtype=DT, seed=5)
+    tables = {}
+    for p_ in sorted({pl, "host", "device"}):
+        t = je.EngramTable(ctx, N, h, DT, placement=p_)
+        t.write_global(table_arr)
+        tables[p_] = t
+    table = tables[pl]
+    jax.block_until_ready(table._token)
+    xin, xflops, xdesc = _x_inputs()
+    rows, notes = [], []
+    total = R * N
+
+    def fetch_alone(tab, cfg, ids_sets, overlap=True):
+        k = len(ids_sets)
+        n = max(2, loop_n(int(np.prod(ids_sets[0].shape)) // R * rb) // k)
+
+        def body(*c):
+            *ids, tok = c
+            for i in ids:
+                pend = tab.fetch(i, tok, overlap=overlap, config=cfg)
+                tab.wait(pend)
+                tok = pend.status.reshape(1)
+            return (*ids, tok)
+
+        specs = (P(AX, None),) * k + (P(AX),)
+        us, det = time_steps(body, (*ids_sets, zero_tok()), n, specs)
+        return (us / k if us is not None else None), det
+
+    # --- size the fetch to take as long as the GEMM X alone
+    xs = {}
+    for kind in ("gemm", "moe"):
+        X = _x_local(kind)
+        ws = xin[kind]
+
+        def body_x(tok, y, *w, X=X):
+            return (tok, X(_after(y, tok), *w), *w)
+
+        carry = (zero_tok(), *ws)
+        us, det = time_steps(body_x, carry, 3, (P(AX),) + tuple(_spec(a) for a in ws))
+        xs[kind] = us
+        rows.append(dict(X=kind, impl="X alone", placement=pl, us=us, tflops=(xflops[kind] / us / 1e6) if us else None,
+                         detail=dict(det, what=xdesc[kind])))
+        say(f"X {kind} ({xdesc[kind]}): " + (f"{us:.1f} us, {xflops[kind] / us / 1e6:.0f} TFLOP/s" if us
+                                              else str(det)))
+    alts = {}
+    try:
+        ht_fn, host_tab = _host_take_fn(table_arr)
+        alts["jnp.take on pinned_host (compute_on)"] = (ht_fn, host_tab)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"host take baseline unavailable: {type(e).__name__}: {str(e)[:200]}")
+    alts["all_to_all lookup (device table)"] = (B.make_a2a_lookup(mesh), table_arr)
+    T0 = 64 if args.tiny else 4096
+    f0, _ = fetch_alone(table, cfg_tma, [make_ids(T0, E, total, 900)])
+    for kind in ("gemm", "moe"):
+        # --- the fetch sized to take as long as this X alone (the bulk-copy gather's rate at T0)
+        t_x = xs[kind]
+        T = args.fetch_T
+        if not T:
+            T = T0 if not f0 or not t_x or args.tiny else int(T0 * t_x / f0)
+            T = max(T0, min(T, (1 << 31) // (E * rb), 262144)) // 64 * 64
+        nbytes = T * E * rb
+        ids = make_ids(T, E, total, 901)
+        common = dict(X=kind, placement=pl, T=T, MiB=nbytes / 2**20)
+        say(f"X {kind}: fetch T={T} x E={E} x {rb} B = {nbytes / 2**20:.1f} MiB per rank from {pl} memory")
+
+        # --- fetch alone (overlapped fetch + wait, nothing between), every gather
+        alone = {}
+        for name, cfg in gathers:
+            us, det = fetch_alone(table, cfg, [ids])
+            alone[name] = us
+            gb = C.gbps(nbytes, us) if us else None
+            rows.append(dict(common, impl=f"fetch alone ({name})", us=us, gbps=gb,
+                             pct_ceil=(100 * gb / cg) if gb and cg else None, sms=sms_held(name, T), detail=det))
+            say(f"  fetch alone {name}: " + (f"{us:.1f} us, {gb:.1f} GB/s" if us else str(det)))
+
+        # --- X with an overlapped fetch
+        X = _x_local(kind)
+        ws = xin[kind]
+        wspecs = tuple(_spec(a) for a in ws)
+        for name, cfg in gathers:
+            def body_fxw(i, tok, y, *w, X=X, cfg=cfg):
+                pend = table.fetch(i, tok, overlap=True, config=cfg)
+                y = X(_after(y, pend.status), *w)  # X is issued after the fetch
+                table.wait(pend, token=y)          # and the wait after X
+                return (i, pend.status.reshape(1), y, *w)
+
+            us, det = time_steps(body_fxw, (ids, zero_tok(), *ws), 3, (P(AX, None), P(AX)) + wspecs)
+            slow = (100 * (us / t_x - 1)) if us and t_x else None
+            rows.append(dict(common, impl=f"X + fetch ({name})", us=us, x_slowdown_pct=slow, sms=sms_held(name, T),
+                             hidden_pct=(100 * (1 - max(us - t_x, 0) / alone[name]))
+                             if us and t_x and alone.get(name) else None, detail=det))
+            say(f"  X {kind} + fetch {name}: " + (f"{us:.1f} us (X alone {t_x:.1f}, {slow:+.1f} %)" if us and t_x
+                                                  else str(det)))
+
+        # --- X with the JAX alternatives (same rows, same X)
+        x_glob = sm(_x_local(kind), wspecs, wspecs[0])
+        for aname, (afn, atab) in alts.items():
+            def step(c, afn=afn, x_glob=x_glob):
+                tab, i, out, y, *w = c
+                out = afn(tab, i)
+                y = x_glob(y, *w)
+                return (tab, (i + 1) % total, out, y, *w)
+
+            try:
+                o = jax.block_until_ready(afn(atab, ids))
+                # few steps: the host-side take of tens of MiB takes far longer than X
+                it = min(args.iters, 4)
+                us, det = time_steps(lambda *c, step=step: step(c), (atab, ids, o, *ws), 1, iters=it)
+                ua, deta = time_steps(lambda tab, i, out, afn=afn: (tab, (i + 1) % total, afn(tab, i)),
+                                      (atab, ids, o), 1, iters=it)
+            except Exception as e:  # noqa: BLE001
+                us, det, ua, deta = None, dict(error=f"{type(e).__name__}: {str(e)[:300]}"), None, {}
+            slow = (100 * (us / t_x - 1)) if us and t_x else None
+            gb = C.gbps(nbytes, ua) if ua else None
+            rows.append(dict(common, impl=f"X + {aname}", us=us, x_slowdown_pct=slow, alt_alone_us=ua,
+                             gbps=gb, pct_ceil=(100 * gb / cg) if gb and cg and "pinned" in aname else None,
+                             detail=dict(det, alone=deta)))
+            say(f"  X {kind} + {aname}: " + (f"{us:.1f} us ({slow:+.1f} %), alone {ua:.1f} us" if us and t_x and ua
+                                            else str(det)[:300]))
+
+    # --- DeepEP's shape standalone (T=512, E=24, 256-byte rows): fetch + wait and lookup, both gathers
+    Td = 8 if args.tiny else 512
+    sets = [make_ids(Td, 24, total, 950 + s) for s in range(min(args.id_sets, 4))]
+    for p_, tab in tables.items():
+        for name, cfg in gathers:
+            for overlap in (True, False):
+                us, det = fetch_alone(tab, cfg, sets, overlap=overlap)
+                rows.append(dict(X="-", impl=f"DeepEP shape {'fetch+wait' if overlap else 'lookup'} ({name})",
+                                 placement=p_, us=us, T=Td, MiB=Td * 24 * rb / 2**20, sms=sms_held(name, Td),
+                                 gbps=C.gbps(Td * 24 * rb, us) if us else None, detail=det))
+                say(f"DeepEP shape {p_} {name} overlap={overlap}: " + (f"{us:.2f} us" if us else str(det)))
+    for t in tables.values():
+        t.free()
+    summary = summarize_overlap(rows, cg, cwhat)
+    return dict(rows=rows, notes=notes, ceilings=_strip(ceil), ceiling_gbps=cg, ceiling=cwhat, placement=pl,
+                num_sms=args.num_sms, summary=summary)
+
+
+def summarize_overlap(rows, cg, cwhat):
+    lines, out = ["", f"summary (issue 20 goals; ceiling = {cwhat}):"], {}
+    for kind in ("gemm", "moe"):
+        for name in ("tma", "sm_few", "sm"):
+            r = [x for x in rows if x.get("X") == kind and x["impl"] == f"X + fetch ({name})"]
+            if r and r[0].get("x_slowdown_pct") is not None:
+                out[f"{kind}_{name}_slowdown_pct"] = r[0]["x_slowdown_pct"]
+                lines.append(f"  X={kind} + fetch ({name}): X slows {r[0]['x_slowdown_pct']:+.1f} % "
+                             f"(want <= 5 %), fetch holds {r[0].get('sms')} SMs (want <= 4), "
+                             f"{r[0].get('hidden_pct') or 0:.0f} % of the fetch hidden")
+    for r in rows:
+        if r["impl"].startswith("X + ") and "fetch" not in r["impl"] and r.get("x_slowdown_pct") is not None:
+            lines.append(f"  X={r['X']} + {r['impl'][4:]}: X slows {r['x_slowdown_pct']:+.1f} %, the lookup alone "
+                         f"{r.get('alt_alone_us') or float('nan'):.1f} us")
+    for r in rows:
+        if r["impl"].startswith("fetch alone") and r.get("pct_ceil") is not None:
+            out[f"{r['X']}_{r['impl']}_pct_ceil"] = r["pct_ceil"]
+            lines.append(f"  {r['impl']}, {r['MiB']:.1f} MiB (sized to X={r['X']}): {r['gbps']:.1f} GB/s = "
+                         f"{r['pct_ceil']:.1f} % of the ceiling (want >= 85 %) on {r.get('sms')} SMs")
+    for r in rows:
+        if r["impl"].startswith("DeepEP shape") and r.get("us") is not None:
+            lines.append(f"  {r['impl']} {r['placement']}: {r['us']:.2f} us (want <= 12 us)")
+    out["lines"] = lines
+    return out
+
+
+def main_overlap():
+    res = run_overlap()
+    cols = ["X", "impl", "placement", "T", ("MiB", "MiB", ".1f"), ("us", "us", ".1f"),
+            ("x_slowdown_pct", "X slows %", "+.1f"), ("hidden_pct", "fetch hidden %", ".0f"),
+            ("gbps", "GB/s", ".1f"), ("pct_ceil", "% ceil", ".1f"), ("sms", "SMs held"),
+            ("alt_alone_us", "alt alone us", ".1f"), ("tflops", "TFLOP/s", ".0f")]
+    info = C.env_info()
+    if LEAD:
+        print()
+        C.print_table(res["rows"], cols, title=f"Engram fetch beside compute, {R} ranks, placement "
+                                                f"{res['placement']}, num_sms {res['num_sms']} "
+                                                f"({info['device_kind']}, {info['backend']})")
+    for line in res["summary"]["lines"] + [f"  note: {n}" for n in res["notes"]]:
+        say(line)
+    if args.out and LEAD:
+        C.write_json(args.out, dict(env=info, args=vars(args), ranks=R, processes=jax.process_count(), **res))
+        say(f"wrote {args.out}")
+
+
 def _strip(o):
     if isinstance(o, dict):
         return {k: _strip(v) for k, v in o.items() if k != "samples"}
@@ -425,7 +744,7 @@ def summarize(rows, ceil):
 
 if __name__ == "__main__":
     try:
-        main()
+        main_overlap() if args.overlap else main()
     finally:
         try:
             ctx.close()

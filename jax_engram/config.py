@@ -38,8 +38,9 @@ class EngramConfig:
       fetch_gather: gather of an overlapped ``fetch`` (``overlap=True``, side stream). Default ``"tma"``: the
         bulk-copy gather holds ``num_sms`` SMs, so the model's kernels between fetch and wait keep the rest.
       lookup_gather: gather of ``lookup`` / ``fetch(overlap=False)`` (XLA's stream, nothing to overlap).
-        Default ``"sm"``: the full-grid gather has the lowest latency for small lookups, and large ones are
-        bound by the link either way; ``"tma"`` makes lookups hold ``num_sms`` SMs too.
+        Default ``"sm"``: nothing runs beside a lookup, so every SM issues its loads at once (small lookups are
+        latency-bound), and large ones are bound by the link either way; ``"tma"`` makes lookups hold
+        ``num_sms`` SMs too.
       num_sms: CTAs of the ``"tma"`` gather (one per SM: each takes ``tma_smem_kib`` of shared memory), the
         analogue of DeepEP's ``num_qps``; also the CTAs of ``"sm_few"``, which ``"tma"`` falls back to where rows
         cannot move by bulk copies (row size or addresses not multiples of 16 bytes).

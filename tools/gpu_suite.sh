@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|ep|probe|probe_engram|probe_reduce|bench_engram|bench_ep|bench_ep_fair|peer_deepep]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|engram_gather|ep|probe|probe_engram|probe_reduce|bench_engram|bench_engram_overlap|bench_ep|bench_ep_fair|peer_deepep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -51,6 +51,15 @@ for what in "${@:-foundation}"; do
     engram_1gpu)  # the Engram checks on one GPU
       CUDA_VISIBLE_DEVICES=0 timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full > "$OUT/engram_1gpu.log" 2>&1
       log "engram_check 1 GPU rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/engram_1gpu.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+    engram_gather)  # issue 20 on one GPU: the Engram checks with every gather on the bulk-copy path, then the default
+      CUDA_VISIBLE_DEVICES=0 JAX_ENGRAM_ENGRAM_TRACE=1 timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full --gather tma --num-sms 2 > "$OUT/engram_tma.log" 2>&1
+      log "engram_check 1 GPU --gather tma rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/engram_tma.log" | head -20 | tee -a "$OUT/summary.txt"
+      grep -m3 "jax_engram engram fetch" "$OUT/engram_tma.log" | tee -a "$OUT/summary.txt"
+      CUDA_VISIBLE_DEVICES=0 timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full > "$OUT/engram_default.log" 2>&1
+      log "engram_check 1 GPU default config rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/engram_default.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+    bench_engram_overlap)  # issue 20's table on one GPU, host placement
+      CUDA_VISIBLE_DEVICES=0 timeout 420 $PY benchmarks/bench_engram.py --overlap --out "$OUT/bench_engram_overlap.json" > "$OUT/bench_engram_overlap.log" 2>&1
+      log "bench_engram --overlap rc=$?"; sed -n '/^Engram fetch beside/,$p' "$OUT/bench_engram_overlap.log" | head -80 ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;
