@@ -79,7 +79,9 @@ ap.add_argument("--overlap", action="store_true",
                 help="issue 20's table: a fetch beside compute that saturates the SMs (GEMM, ragged_dot)")
 ap.add_argument("--overlap-placement", default="host", choices=["host", "device"],
                 help="--overlap: placement of the table the overlapped fetch reads")
-ap.add_argument("--num-sms", type=int, default=4, help="--overlap: EngramConfig.num_sms of the bulk-copy gather")
+ap.add_argument("--num-sms", default="4",
+                help="--overlap: EngramConfig.num_sms of the few-SM gathers; a comma list measures each (the first "
+                     "sizes the fetch)")
 ap.add_argument("--tma-smem-kib", type=int, default=192, help="--overlap: EngramConfig.tma_smem_kib")
 ap.add_argument("--gemm-n", type=int, default=8192, help="--overlap: the GEMM X is [n, n] x [n, n] bf16")
 ap.add_argument("--moe-rows", type=int, default=16384, help="--overlap: rows through the MoE expert GEMMs")
@@ -509,20 +511,25 @@ def run_overlap():
     ceil = measure_ceilings()
     cg, cwhat = ceiling_gbps(ceil, pl)
     say(f"ceiling ({cwhat}): " + (f"{cg:.1f} GB/s" if cg else "n/a"))
-    cfg_tma = je.EngramConfig(fetch_gather="tma", lookup_gather="tma", num_sms=args.num_sms,
-                              tma_smem_kib=args.tma_smem_kib)
-    cfg_sm = je.EngramConfig(fetch_gather="sm", lookup_gather="sm")
-    cfg_few = je.EngramConfig(fetch_gather="sm_few", lookup_gather="sm_few", num_sms=args.num_sms)
-    gathers = (("tma", cfg_tma), ("sm_few", cfg_few), ("sm", cfg_sm))
+    nums = [int(x) for x in str(args.num_sms).split(",") if x]
+    gathers = []  # (name, config): "tma" / "sm_few" at the first num_sms, "tma@n" / "sm_few@n" at the others
+    for k, n in enumerate(nums):
+        at = "" if k == 0 else f"@{n}"
+        gathers.append((f"tma{at}", je.EngramConfig(fetch_gather="tma", lookup_gather="tma", num_sms=n,
+                                                     tma_smem_kib=args.tma_smem_kib)))
+        gathers.append((f"sm_few{at}", je.EngramConfig(fetch_gather="sm_few", lookup_gather="sm_few", num_sms=n)))
+    gathers.append(("sm", je.EngramConfig(fetch_gather="sm", lookup_gather="sm")))
+    cfg_tma = gathers[0][1]
+    names = [g[0] for g in gathers]
     sms_total = info.get("sms") or 0
     plan_mod = _ffi.native("cpu")
 
-    def sms_held(name, T):
-        if name == "sm":
+    def sms_held(cfg, T):
+        if cfg.fetch_gather == "sm":
             return sms_total or None
-        if name == "sm_few":
-            return args.num_sms
-        return plan_mod.engram_tma_plan(T * E, rb, args.num_sms, args.tma_smem_kib * 1024)["grid"]
+        if cfg.fetch_gather == "sm_few":
+            return cfg.num_sms
+        return plan_mod.engram_tma_plan(T * E, rb, cfg.num_sms, cfg.tma_smem_kib * 1024)["grid"]
 
     table_arr, _ = B.make_engram_inputs(mesh, N, h, 1, E, dtype=DT, seed=5)
     tables = {}
@@ -596,7 +603,7 @@ def run_overlap():
             alone[name] = us
             gb = C.gbps(nbytes, us) if us else None
             rows.append(dict(common, impl=f"fetch alone ({name})", us=us, gbps=gb,
-                             pct_ceil=(100 * gb / cg) if gb and cg else None, sms=sms_held(name, T), detail=det))
+                             pct_ceil=(100 * gb / cg) if gb and cg else None, sms=sms_held(cfg, T), detail=det))
             say(f"  fetch alone {name}: " + (f"{us:.1f} us, {gb:.1f} GB/s" if us else str(det)))
 
         # --- X with an overlapped fetch
@@ -612,7 +619,7 @@ def run_overlap():
 
             us, det = time_steps(body_fxw, (ids, zero_tok(), *ws), 3, (P(AX, None), P(AX)) + wspecs)
             slow = (100 * (us / t_x - 1)) if us and t_x else None
-            rows.append(dict(common, impl=f"X + fetch ({name})", us=us, x_slowdown_pct=slow, sms=sms_held(name, T),
+            rows.append(dict(common, impl=f"X + fetch ({name})", us=us, x_slowdown_pct=slow, sms=sms_held(cfg, T),
                              hidden_pct=(100 * (1 - max(us - t_x, 0) / alone[name]))
                              if us and t_x and alone.get(name) else None, detail=det))
             say(f"  X {kind} + fetch {name}: " + (f"{us:.1f} us (X alone {t_x:.1f}, {slow:+.1f} %)" if us and t_x
@@ -652,20 +659,20 @@ def run_overlap():
             for overlap in (True, False):
                 us, det = fetch_alone(tab, cfg, sets, overlap=overlap)
                 rows.append(dict(X="-", impl=f"DeepEP shape {'fetch+wait' if overlap else 'lookup'} ({name})",
-                                 placement=p_, us=us, T=Td, MiB=Td * 24 * rb / 2**20, sms=sms_held(name, Td),
+                                 placement=p_, us=us, T=Td, MiB=Td * 24 * rb / 2**20, sms=sms_held(cfg, Td),
                                  gbps=C.gbps(Td * 24 * rb, us) if us else None, detail=det))
                 say(f"DeepEP shape {p_} {name} overlap={overlap}: " + (f"{us:.2f} us" if us else str(det)))
     for t in tables.values():
         t.free()
-    summary = summarize_overlap(rows, cg, cwhat)
+    summary = summarize_overlap(rows, cg, cwhat, names)
     return dict(rows=rows, notes=notes, ceilings=_strip(ceil), ceiling_gbps=cg, ceiling=cwhat, placement=pl,
                 num_sms=args.num_sms, summary=summary)
 
 
-def summarize_overlap(rows, cg, cwhat):
+def summarize_overlap(rows, cg, cwhat, names):
     lines, out = ["", f"summary (issue 20 goals; ceiling = {cwhat}):"], {}
     for kind in ("gemm", "moe"):
-        for name in ("tma", "sm_few", "sm"):
+        for name in names:
             r = [x for x in rows if x.get("X") == kind and x["impl"] == f"X + fetch ({name})"]
             if r and r[0].get("x_slowdown_pct") is not None:
                 out[f"{kind}_{name}_slowdown_pct"] = r[0]["x_slowdown_pct"]
