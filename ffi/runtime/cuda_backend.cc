@@ -183,9 +183,16 @@ class CudaBackend final : public Backend {
     void* dev_ptr = nullptr;
     if ((e = cudaHostGetDevicePointer(&dev_ptr, st->error_alloc, 0)) != cudaSuccess)
       return fail("cudaHostGetDevicePointer of the error record", e);
-    if ((e = cudaStreamCreateWithFlags(&st->side_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    // Highest priority: the few CTAs of an overlapped Engram fetch are dispatched ahead of the model's pending CTAs
+    // as soon as an SM frees up, instead of after every CTA of the kernel the fetch is meant to run beside.
+    int least_priority = 0, greatest_priority = 0;
+    if (cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority) != cudaSuccess) {
+      cudaGetLastError();
+      greatest_priority = 0;
+    }
+    if ((e = cudaStreamCreateWithPriority(&st->side_stream, cudaStreamNonBlocking, greatest_priority)) != cudaSuccess) {
       st->side_stream = nullptr;
-      return fail("cudaStreamCreateWithFlags", e);
+      return fail("cudaStreamCreateWithPriority", e);
     }
     if ((e = cudaEventCreateWithFlags(&st->side_event, cudaEventDisableTiming)) != cudaSuccess) {
       st->side_event = nullptr;

@@ -18,7 +18,7 @@ namespace jax_engram {
 
 struct CudaMemberState {
   int device = -1;                       // CUDA device ordinal (== Member::ordinal)
-  cudaStream_t side_stream = nullptr;    // non-blocking; also used for allocation zero-fill
+  cudaStream_t side_stream = nullptr;    // non-blocking, highest priority (Engram fetches); allocation zero-fill
   cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
   // EP copy-engine dispatch (handlers/cuda_ep.cc): its copy streams (the pieces go round the first
   // JAX_ENGRAM_EP_CE_STREAMS of them, default one: ce_streams), the fork (XLA's stream -> copy streams) and join
