@@ -158,6 +158,13 @@ std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_ex
     case kErrTimeout: {
       char secs[32];
       snprintf(secs, sizeof(secs), "%.3g", e.elapsed_ns / 1e9);
+      if (e.op == kOpEngramFetch) {  // the "tma" gather: observed = chunk, detail = CTA * 1000 + warp
+        s += std::string("timed out after ") + secs + " s waiting for the bulk copies of chunk " +
+             to_string(e.observed) + " (" + to_string(e.expected) + " bytes; CTA " + to_string(e.detail / 1000) +
+             ", warp " + to_string(e.detail % 1000) + ") to land: the table's memory did not answer. "
+             "EngramConfig(fetch_gather=\"sm\", lookup_gather=\"sm\") runs the vector gather instead";
+        break;
+      }
       s += std::string("timed out after ") + secs + " s waiting for peer rank " + to_string(e.peer) + " (expected " +
            to_string(e.expected) + ", saw " + to_string(e.observed) +
            "). The peer did not arrive: it crashed, hung, or ran a different sequence of jax_engram ops. Raise "
