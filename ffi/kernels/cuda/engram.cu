@@ -238,7 +238,6 @@ __global__ void __launch_bounds__(kThreads) engram_gather_kernel(Params p) {
 
 // ---- the "tma" gather: bulk copies on a few CTAs ------------------------------------------------------------
 constexpr int kTmaThreads = engram::kTmaWarps * 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 struct TmaArgs {
   int64_t chunk_bytes = 0, chunks = 0, total_bytes = 0;
@@ -247,6 +246,9 @@ struct TmaArgs {
   int32_t rank = 0;
   uint64_t timeout_ns = 0;
 };
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // bulk copies and mbarrier transactions: sm_90 and later
+constexpr unsigned kFullMask = 0xffffffffu;
 
 JE_DEVICE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 JE_DEVICE void mbar_init(uint64_t* b, uint32_t count) {
@@ -346,12 +348,16 @@ JE_DEVICE void tma_load_chunk(const Params& p, const TmaArgs& t, int64_t c, uint
   __syncwarp();
   if (lane == 0) mbar_arrive(bar);
 }
+#endif
 
 // Chunks of global warp w: w, w + W, ... (W warps in the grid); the i-th of them goes through stage i % stages.
 // Prologue: the first `stages` chunks are issued. Step i: wait for chunk i, store it (lane 0, one bulk group per
 // chunk), then refill the stage of chunk i-1 -- whose store has read its buffer once all but the newest bulk group
 // have -- with chunk i-1+stages. So stages-1 chunks are loading while one is being stored.
 __global__ void __launch_bounds__(kTmaThreads) engram_tma_kernel(Params p, TmaArgs t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // no bulk copies before sm_90; the launcher never picks this kernel there (tma_max_dynamic_smem)
+#else
   extern __shared__ __align__(128) uint8_t tma_smem[];
   __shared__ __align__(8) uint64_t bars[engram::kTmaWarps][engram::kTmaStages];
   if (p.mode != engram::kModeChecked && blockIdx.x == 0 && threadIdx.x == 0) *p.status = 0;
@@ -404,6 +410,7 @@ __global__ void __launch_bounds__(kTmaThreads) engram_tma_kernel(Params p, TmaAr
   }
   if (lane == 0) bulk_wait_all();
   if (p.sf_table) gather_sf(p);
+#endif
 }
 
 // Checked mode: after the gather, report the first out-of-range flat position (if any) in the error record.
@@ -468,16 +475,18 @@ cudaError_t launch_typed(const Params& p, uint64_t want_blocks, int sm_count, in
 namespace {
 
 // Dynamic shared memory the "tma" kernel may take on `device` (its opt-in limit minus its static part), after
-// raising the kernel's limit to it once per device. 0 if the device cannot say (then "tma" falls back to "sm").
+// raising the kernel's limit to it once per device. 0 if the device has no bulk copies (compute capability < 9.0)
+// or cannot say: then "tma" runs "sm_few".
 int64_t tma_max_dynamic_smem(int device) {
   constexpr int kMaxDevices = 64;
   static std::once_flag once[kMaxDevices];
   static int64_t limit[kMaxDevices];
   if (device < 0 || device >= kMaxDevices) return 0;
   std::call_once(once[device], [device] {
-    int optin = 0;
+    int optin = 0, major = 0;
     cudaFuncAttributes attr{};
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9 ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
         cudaFuncGetAttributes(&attr, engram_tma_kernel) != cudaSuccess) {
       cudaGetLastError();
       limit[device] = 0;
