@@ -169,13 +169,14 @@ def _engram_table_class():
         """EngramTable over a :class:`HierContext` (same API; see the module docstring for the path)."""
 
         def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
-                     num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device"):
+                     num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device", config=None):
             inner = EngramTable(ctx.inner, num_entries, hidden, dtype, placement=placement,
-                                num_sf_packs=num_sf_packs, sf_dtype=sf_dtype, sf_placement=sf_placement)
+                                num_sf_packs=num_sf_packs, sf_dtype=sf_dtype, sf_placement=sf_placement,
+                                config=config)
             self.inner = inner
             self.ctx = ctx
             for k in ("num_entries", "hidden", "dtype", "placement", "num_sf_packs", "sf_dtype", "sf_placement",
-                      "row_bytes", "nbytes", "_uid", "region", "sf_region"):
+                      "row_bytes", "nbytes", "_uid", "region", "sf_region", "config"):
                 setattr(self, k, getattr(inner, k))
             self.num_ranks = ctx.num_ranks
             self.total_entries = self.num_ranks * self.num_entries
@@ -210,9 +211,10 @@ def _engram_table_class():
             return self.inner.write(storage, sf, token=token)
 
         def fetch(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
-                  overlap: bool = True) -> EngramPending:
+                  overlap: bool = True, config=None) -> EngramPending:
             """As the flat fetch; the whole path (inter-node exchange, inner reads, exchange back) runs here and
-            ``wait`` only hands the result over (``overlap`` has no effect on this path)."""
+            ``wait`` only hands the result over (``overlap`` has no effect on this path; the inner reads are
+            lookups, with ``config``'s lookup_gather)."""
             from jax_engram import _call
             from jax_engram.engram import ENGRAM_MODES, SF_LAYOUTS, _check_choice
 
@@ -227,7 +229,7 @@ def _engram_table_class():
                 return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
                                      jnp.zeros(self.sf_shape(T, E, sf_layout), sf_dt), status, indices,
                                      bool(self.num_sf_packs), False)
-            data, sf, status = _engram_fetch(self, indices, token, mode, sf_layout)
+            data, sf, status = _engram_fetch(self, indices, token, mode, sf_layout, config)
             return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), False)
 
         def wait(self, pending: EngramPending, token=None):
@@ -239,7 +241,8 @@ def _engram_table_class():
                                 f"{type(pending).__name__}")
             return pending.data, (pending.sf if pending.has_sf else None)
 
-        def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None):
+        def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None,
+                          config=None):
             if sharded is None:
                 from jax.sharding import NamedSharding
 
@@ -248,12 +251,13 @@ def _engram_table_class():
                 first = spec[0] if len(spec) else None
                 first = first if isinstance(first, tuple) else (first,)
                 sharded = all(a in first for a in self.ctx.axis_name)
-            return super().lookup_global(ids, mode=mode, sf_layout=sf_layout, sharded=sharded)
+            return super().lookup_global(ids, mode=mode, sf_layout=sf_layout, sharded=sharded, config=config)
 
-        def _lookup_fn(self, mode, sf_layout, sharded):
+        def _lookup_fn(self, mode, sf_layout, sharded, config=None):
+            config = config or self.config
             if sharded:
-                return super()._lookup_fn(mode, sf_layout, sharded)
-            key = ("lookup", mode, sf_layout, sharded)
+                return super()._lookup_fn(mode, sf_layout, sharded, config)
+            key = ("lookup", mode, sf_layout, sharded, config)
             fn = self._global_fns.get(key)
             if fn is None:
                 from jax.sharding import PartitionSpec as P
@@ -261,7 +265,7 @@ def _engram_table_class():
                 ax = self.ctx.axis_name
 
                 def body(ids, tok):
-                    data, sf = self.wait(self.fetch(ids, tok, mode=mode, sf_layout=sf_layout))
+                    data, sf = self.wait(self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, config=config))
                     sf = sf if sf is not None else jnp.zeros((0,), jnp.int32)
                     return data, sf, (tok + jnp.zeros((1,), tok.dtype) * data.reshape(-1)[:1].size)
 
@@ -284,7 +288,7 @@ def hier_engram_table_class():
     return _engram_table_class()
 
 
-def _engram_fetch(table, ids, token, mode, sf_layout):
+def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     """ids [T, E] int32 global ids -> (data [T, E*hidden], sf per sf_layout, status)."""
     ctx = table.ctx
     T, E = ids.shape
@@ -299,7 +303,7 @@ def _engram_fetch(table, ids, token, mode, sf_layout):
     buckets = jnp.where(owner[None] == nodes, g[None] - nodes * per_node, -1)   # [Nn, T, E]
     req = ctx.node_all_to_all(buckets)                                           # [Nn, T, E] from node a
     inner_tok = req if token is None else token
-    data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row")
+    data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row", config=config)
     rows = ctx.node_all_to_all(data.reshape(Nn, T, E, H))                        # [Nn, T, E, H] from node b
     sel = jnp.clip(owner, 0, Nn - 1)[None, :, :, None]
     out = jnp.take_along_axis(rows, sel, axis=0)[0]
