@@ -196,6 +196,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.device_memory = region_in_device_segments(*a, static_cast<uint64_t>(offset),
                                               static_cast<uint64_t>(num_entries) * row_bytes);
   f.timeout_ns = m.timeout_ns();
+  f.timeout_err = m.error_device;  // a stalled bulk copy is a device failure, reported like any other
   f.gather = gc.gather;
   f.gather_sms = gc.sms;
   f.tma_smem_bytes = gc.tma_smem_bytes;

@@ -563,7 +563,7 @@ cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream, E
       t.chunks = plan.chunks;
       t.total_bytes = n_rows * a.row_bytes;
       t.stages = plan.stages;
-      t.err = a.err;
+      t.err = a.timeout_err;
       t.rank = a.rank;
       t.timeout_ns = a.timeout_ns;
       engram_tma_kernel<<<plan.grid, kTmaThreads, static_cast<size_t>(plan.smem_bytes), stream>>>(p, t);

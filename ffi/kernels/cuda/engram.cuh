@@ -29,6 +29,7 @@ struct EngramFetchArgs {
   int sm_count = 0;                   // SMs of the device: the "sm" gather's grid
   bool device_memory = false;         // the table lies in device (HBM) segments: picks the load kind
   uint64_t timeout_ns = 0;            // bound of the "tma" gather's waits (the context timeout)
+  ErrorRecord* timeout_err = nullptr; // where a "tma" wait past timeout_ns is recorded (kErrTimeout)
   // gather configuration (jax_engram/config.py EngramConfig; engram_layout.h Gather / Loads)
   int32_t gather = 0;                 // engram::Gather
   int32_t gather_sms = 4;             // "tma": CTAs (one per SM); also the CTA cap of its "sm" fallback
