@@ -524,11 +524,15 @@ class EngramTable:
                 lo = -1 if np.issubdtype(ids.dtype, np.signedinteger) else 0
                 ids = np.clip(ids, lo, _INT32_MAX).astype(np.int32)
         ids = self._to_global(ids, P(ax, None) if sharded else P(), "ids")
-        data, sf, token = self._lookup_fn(mode, sf_layout, bool(sharded), config)(ids, self._global_token())
-        if mode == "checked":
+        fn = self._lookup_fn(mode, sf_layout, bool(sharded), config)
+        if mode != "checked":
+            data, sf, token = fn(ids, self._global_token())
+        else:
             # Wait for the lookup (checked mode's price: a host sync) so that a bad id fails THIS call, once; the
-            # failed token is never chained into the table's next call (which would fail with the same error).
+            # failed token is never chained into the table's next call (which would fail with the same error). The
+            # call itself may raise already (CPU handlers fail synchronously, e.g. with several processes).
             try:
+                data, sf, token = fn(ids, self._global_token())
                 jax.block_until_ready(token)
             except Exception as e:  # noqa: BLE001 - XLA's runtime error carries our message
                 _forget_failed_execution(self.ctx)
