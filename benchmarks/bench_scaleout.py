@@ -126,8 +126,8 @@ def main(argv=None) -> int:
         rows.append(row)
 
         # ------------------------------------------------------------------------------ Engram lookup
-        tabs = {"flat": je.EngramTable(flat, Ne, Hg, jnp.bfloat16, placement="device"),
-                "hier": je.EngramTable(hier, Ne, Hg, jnp.bfloat16, placement="device")}
+        tabs = {"flat": je.EngramTable(Ne, Hg, jnp.bfloat16, ctx=flat, placement="device"),
+                "hier": je.EngramTable(Ne, Hg, jnp.bfloat16, ctx=hier, placement="device")}
         table = rng.standard_normal((2 * Ne, Hg)).astype(jnp.bfloat16)
         for t in tabs.values():
             t.write_global(table)

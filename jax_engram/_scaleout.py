@@ -163,14 +163,15 @@ class HierContext:
 
 # ------------------------------------------------------------------------------------------------- Engram
 def _engram_table_class():
-    from jax_engram.engram import EngramTable, EngramPending
+    from jax_engram.engram import EngramTable, EngramPending, _legacy_positional_ctx
 
     class _HierEngramTable(EngramTable):
         """EngramTable over a :class:`HierContext` (same API; see the module docstring for the path)."""
 
-        def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
+        @_legacy_positional_ctx
+        def __init__(self, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, ctx, placement: str = "host",
                      num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device"):
-            inner = EngramTable(ctx.inner, num_entries, hidden, dtype, placement=placement,
+            inner = EngramTable(num_entries, hidden, dtype, ctx=ctx.inner, placement=placement,
                                 num_sf_packs=num_sf_packs, sf_dtype=sf_dtype, sf_placement=sf_placement)
             self.inner = inner
             self.ctx = ctx

@@ -166,7 +166,7 @@ def check_lookups(table, x, sf, seed, T, E, modes=("fill", "clip", "checked"), l
 
 
 def new_table(N, H, dt, placement, packs=0, sf_dtype=np.float32, c=None):
-    return je.EngramTable(c or ctx, N, H, dt, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype)
+    return je.EngramTable(N, H, dt, ctx=c or ctx, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype)
 
 
 # ------------------------------------------------------------------------------------------ cases
