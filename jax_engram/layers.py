@@ -30,6 +30,7 @@ EP axis: ``w_up`` [num_experts, hidden, ffn] and ``w_down`` [num_experts, ffn, h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
 
@@ -168,15 +169,21 @@ def engram_layer(params: Params, hidden: jax.Array, token_ids: jax.Array, *, tab
     along B over the table context's axis (B a multiple of its ranks); params ``w_key`` / ``w_value``
     [num_heads*table.hidden, H] replicated. Returns hidden after the gated add, [B, S, H], sharded like it.
     Differentiable in params and hidden (the table is memory, not a parameter: no gradient reaches it)."""
+    return _engram_fn(table, hashing, mode, tuple(params))(dict(params), hidden, token_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _engram_fn(table: EngramTable, hashing: EngramHashing, mode: str, keys: tuple[str, ...]):
+    # jit around the shard_map: inlined under an outer jit, and an eager call runs one compiled program (op by op,
+    # the fetch/wait pair would be compiled apart). Cached so that eager calls do not retrace.
     ctx = table.ctx
     ax = _axis(ctx)
-    specs = {k: P() for k in params}
 
     def body(p, h, t):
-        return engram_local(p, h, t, table=table, hashing=hashing, mode=mode)
+        return engram_local(p, h, t, table=table, hashing=hashing, mode=mode)  # type: ignore[arg-type]
 
-    return jax.shard_map(body, mesh=ctx.mesh, in_specs=(specs, P(ax), P(ax)), out_specs=P(ax))(
-        dict(params), hidden, token_ids)
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=({k: P() for k in keys}, P(ax), P(ax)),
+                                 out_specs=P(ax)))
 
 
 def engram_layer_reference(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table_rows: jax.Array,
@@ -260,6 +267,11 @@ def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_
     shardable) along B over ``ctx``'s axis (B a multiple of its ranks). Returns [B, ..., H] of x's dtype,
     sharded like x. Differentiable in params and x.
     """
+    return _moe_fn(ctx, top_k, expert_alignment, activation, tuple(params))(dict(params), x)
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_fn(ctx: Context, top_k: int, expert_alignment: int, activation: Activation, keys: tuple[str, ...]):
     ax = _axis(ctx)
 
     def body(p, xl):
@@ -268,8 +280,8 @@ def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_
                         activation=activation)
         return out.reshape(shape)
 
-    return jax.shard_map(body, mesh=ctx.mesh, in_specs=(_moe_specs(params, ax), P(ax)), out_specs=P(ax))(
-        dict(params), x)
+    specs = {k: (P(ax) if _MOE_SPECS.get(k) == "ep" else P()) for k in keys}
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=(specs, P(ax)), out_specs=P(ax)))
 
 
 def moe_layer_reference(params: Params, x: jax.Array, *, num_ranks: int, top_k: int, expert_alignment: int = 8,
