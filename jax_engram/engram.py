@@ -57,10 +57,7 @@ import dataclasses
 import functools
 import itertools
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, Optional
-
-if TYPE_CHECKING:
-    from jax_engram.context import Context
+from typing import Any, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +66,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call
-from jax_engram.context import JaxEngramError
+from jax_engram.context import Context, JaxEngramError
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
 
@@ -97,8 +94,6 @@ def _legacy_positional_ctx(init):
 
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
-        from jax_engram.context import Context
-
         if args and isinstance(args[0], Context):
             if "ctx" in kwargs:
                 raise TypeError("jax_engram.EngramTable: the context was given twice (positionally and as ctx=)")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import ep as _ep
-
-if TYPE_CHECKING:
-    from jax_engram.context import Context
-    from jax_engram.engram import EngramTable
+from jax_engram.context import Context
+from jax_engram.engram import EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
            "engram_layer_reference", "route", "moe_experts", "moe_local", "moe_layer", "moe_layer_reference",

@@ -116,7 +116,7 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ctx: Context,
-                 expert_alignment: int = 8, activation=jax.nn.gelu, param_dtype: Any = jnp.float32,
+                 expert_alignment: int = 8, activation: L.Activation = jax.nn.gelu, param_dtype: Any = jnp.float32,
                  rngs: nnx.Rngs):
         if num_experts % ctx.num_ranks:
             raise ValueError(f"MoE: num_experts={num_experts} must be a multiple of the {ctx.num_ranks} ranks")

@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_engram import _call
-
-if TYPE_CHECKING:
-    from jax_engram.context import Context
+from jax_engram.context import Context
 
 Placement = Literal["device", "host"]
 
