@@ -275,6 +275,19 @@ def _varying(x, ctx):
     return x
 
 
+def _vma(x) -> frozenset:
+    t = jax.typeof(x)
+    return frozenset(t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma)
+
+
+def _vary_like(a, ref):
+    """a marked as varying along every manual axis ref varies along (e.g. a data-parallel axis of a 2-D mesh
+    besides the context's): the gradient rules return cotangents typed like the data, so the differentiable
+    operands (token, weights, biases) must carry the data's varying axes."""
+    extra = _vma(ref) - _vma(a)
+    return jax.lax.pcast(a, tuple(sorted(extra)), to="varying") if extra else a
+
+
 def _ffi_token(token, ctx):
     if token is None:
         return _call.new_token(ctx)
@@ -647,7 +660,8 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
     sf = _varying(x_scales, ctx) if x_scales is not None else _empty((N, 0), jnp.float32, ctx)
     if token is None and handle is not None:
         token = handle.token
-    tok = _ffi_token(token, ctx)
+    tok = _vary_like(_ffi_token(token, ctx), x)
+    w = _vary_like(w, x)
 
     if handle is None:
         if validate_routing:
@@ -748,8 +762,10 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
     harr = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
             h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,
             h.recv_topk_idx if h.recv_topk_idx is not None else _empty((0, K), jnp.int32, ctx))
-    tok = _ffi_token(h.token if token is None else token, ctx)
-    cx, cw, t = _combine_p(cfg, _varying(y, ctx), w, tuple(checked), harr, tok)
+    y = _varying(y, ctx)
+    tok = _vary_like(_ffi_token(h.token if token is None else token, ctx), y)
+    w = _vary_like(w, y)
+    cx, cw, t = _combine_p(cfg, y, w, tuple(_vary_like(b, y) for b in checked), harr, tok)
     res = CombineResult(cx, cw if topk_weights is not None else None, t)
     if return_token:
         return (res.combined_x, res.combined_topk_weights, res.token)  # type: ignore[return-value]

@@ -45,7 +45,7 @@ from jax_engram.engram import EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
            "engram_layer_reference", "route", "moe_experts", "moe_local", "moe_layer", "moe_layer_reference",
-           "init_moe_params", "init_engram_params", "put_global"]
+           "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
 
 Params = Mapping[str, jax.Array]
 Activation = Callable[[jax.Array], jax.Array]
@@ -161,10 +161,20 @@ def _axis(ctx) -> Any:
     return ctx.axis_name
 
 
+def _batch_spec(ctx) -> P:
+    """Tokens are sharded along the batch over every mesh axis, the context's last: each EP group (one per
+    position on the other axes, e.g. data-parallel replicas) gets its own slice of the batch."""
+    ax = ctx.axis_name
+    own = tuple(ax) if isinstance(ax, (tuple, list)) else (ax,)
+    others = tuple(a for a in ctx.mesh.axis_names if a not in own)
+    axes = others + own
+    return P(axes if len(axes) > 1 else axes[0])
+
+
 def engram_layer(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table: EngramTable,
                  hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill") -> jax.Array:
     """Engram layer on global arrays: hidden [B, S, H] and token_ids int [B, S], both sharded (or shardable)
-    along B over the table context's axis (B a multiple of its ranks); params ``w_key`` / ``w_value``
+    along B over the mesh (the context's axis last; B a multiple of the mesh's devices); params ``w_key`` / ``w_value``
     [num_heads*table.hidden, H] replicated. Returns hidden after the gated add, [B, S, H], sharded like it.
     Differentiable in params and hidden (the table is memory, not a parameter: no gradient reaches it)."""
     return _engram_fn(table, hashing, mode, tuple(params))(dict(params), hidden, token_ids)
@@ -175,13 +185,12 @@ def _engram_fn(table: EngramTable, hashing: EngramHashing, mode: str, keys: tupl
     # jit around the shard_map: inlined under an outer jit, and an eager call runs one compiled program (op by op,
     # the fetch/wait pair would be compiled apart). Cached so that eager calls do not retrace.
     ctx = table.ctx
-    ax = _axis(ctx)
+    bs = _batch_spec(ctx)
 
     def body(p, h, t):
         return engram_local(p, h, t, table=table, hashing=hashing, mode=mode)  # type: ignore[arg-type]
 
-    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=({k: P() for k in keys}, P(ax), P(ax)),
-                                 out_specs=P(ax)))
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=({k: P() for k in keys}, bs, bs), out_specs=bs))
 
 
 def engram_layer_reference(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table_rows: jax.Array,
@@ -261,8 +270,9 @@ def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_
     """Expert-parallel MoE layer on global arrays.
 
     params: ``router`` [H, num_experts] replicated, ``w_up`` [num_experts, H, F] and ``w_down``
-    [num_experts, F, H] sharded along the expert axis over ``ctx``'s axis. x [B, ..., H] sharded (or
-    shardable) along B over ``ctx``'s axis (B a multiple of its ranks). Returns [B, ..., H] of x's dtype,
+    [num_experts, F, H] sharded along the expert axis over ``ctx``'s axis (replicated over the mesh's other
+    axes). x [B, ..., H] sharded (or shardable) along B over the mesh, the context's axis last (B a multiple of
+    the mesh's devices: every EP group gets its own slice). Returns [B, ..., H] of x's dtype,
     sharded like x. Differentiable in params and x.
     """
     return _moe_fn(ctx, top_k, expert_alignment, activation, tuple(params))(dict(params), x)
@@ -279,7 +289,8 @@ def _moe_fn(ctx: Context, top_k: int, expert_alignment: int, activation: Activat
         return out.reshape(shape)
 
     specs = {k: (P(ax) if _MOE_SPECS.get(k) == "ep" else P()) for k in keys}
-    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=(specs, P(ax)), out_specs=P(ax)))
+    bs = _batch_spec(ctx)
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=(specs, bs), out_specs=bs))
 
 
 def moe_layer_reference(params: Params, x: jax.Array, *, num_ranks: int, top_k: int, expert_alignment: int = 8,
@@ -344,6 +355,11 @@ def put_global(a: Any, ctx: Context, spec: P) -> jax.Array:
         return a
     a = np.asarray(a)
     return jax.make_array_from_callback(a.shape, NamedSharding(ctx.mesh, spec), lambda idx: a[idx])
+
+
+def batch_spec(ctx: Context) -> P:
+    """The PartitionSpec of the batch axis the global layers expect: every mesh axis, the context's last."""
+    return _batch_spec(ctx)
 
 
 def moe_param_specs(params: Params, ctx: Context) -> dict[str, P]:

@@ -62,7 +62,7 @@ def test_api_and_layers():
     out = _run([sys.executable, str(WORKERS_DIR / "api_check.py"), "--cpu-devices", "2"])
     res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
     failed = [k for k, v in res["checks"].items() if not v]
-    assert not failed and len(res["checks"]) >= 9, (failed, out[-6000:])
+    assert not failed and len(res["checks"]) >= 10, (failed, out[-6000:])
 
 
 def test_example_engram_layer():
