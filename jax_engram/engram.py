@@ -94,7 +94,7 @@ def _legacy_positional_ctx(init):
 
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
-        if args and isinstance(args[0], Context):
+        if args and not isinstance(args[0], (int, np.integer)):  # a Context (flat or hierarchical), not num_entries
             if "ctx" in kwargs:
                 raise TypeError("jax_engram.EngramTable: the context was given twice (positionally and as ctx=)")
             warnings.warn("jax_engram.EngramTable(ctx, ...): passing the context positionally is deprecated; use "

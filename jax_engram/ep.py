@@ -716,8 +716,11 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
                         f"{type(handle).__name__}")
     if getattr(handle, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
         from jax_engram import _scaleout
-        return _scaleout.combine(y, handle, topk_weights=topk_weights, bias=bias, token=token,
-                                 return_token=return_token)
+        cx, cw, t = _scaleout.combine(y, handle, topk_weights=topk_weights, bias=bias, token=token,
+                                      return_token=True)
+        if return_token:
+            return (cx, cw, t)  # type: ignore[return-value]
+        return CombineResult(cx, cw, t)
     cfg = handle.config
     ctx = cfg.ctx
     _call.check_axis(ctx, "combine")
