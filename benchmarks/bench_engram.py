@@ -349,7 +349,7 @@ def main():
         table_arr, _ = B.make_engram_inputs(mesh, N, h, 1, E, dtype=DT, seed=h)
         for placement in placements:
             t0 = time.perf_counter()
-            table = je.EngramTable(ctx, N, h, DT, placement=placement)
+            table = je.EngramTable(N, h, DT, ctx=ctx, placement=placement)
             table.write_global(table_arr)
             jax.block_until_ready(table._token)
             say(f"\n# table: {R} x {N} rows x {h} {DT.name} ({rb} B/row), placement={placement}, "
@@ -534,7 +534,7 @@ def run_overlap():
     table_arr, _ = B.make_engram_inputs(mesh, N, h, 1, E, dtype=DT, seed=5)
     tables = {}
     for p_ in sorted({pl, "host", "device"}):
-        t = je.EngramTable(ctx, N, h, DT, placement=p_)
+        t = je.EngramTable(N, h, DT, ctx=ctx, placement=p_)
         t.write_global(table_arr)
         tables[p_] = t
     table = tables[pl]

@@ -201,13 +201,14 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
         y = res.recv_x.astype(jnp.bfloat16)
 
         def step(i, tok):
-            return jax_engram.combine(y, res.handle, token=tok, return_token=True)[-1]
+            return jax_engram.combine(y, res.handle, token=tok).token
         return lax.fori_loop(0, n, step, res.token)[None]
 
     def check(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))
         y = res.recv_x.astype(jnp.bfloat16)
-        out, cw = jax_engram.combine(y, res.handle, topk_weights=res.recv_topk_weights)
+        cr = jax_engram.combine(y, res.handle, topk_weights=res.recv_topk_weights)
+        out, cw = cr.combined_x, cr.combined_topk_weights
         R = ctx.num_ranks
         El = E // R
         xf = x.astype(jnp.bfloat16).astype(jnp.float32)

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             def make_step(ctx):
                 def body(xl, tkl, a, b):
                     d = je.dispatch(xl[0], tkl[0], ctx=ctx, num_experts=E, max_tokens_per_rank=N)
-                    c, _ = je.combine(expert(d.recv_x, a, b), d.handle)
+                    c = je.combine(expert(d.recv_x, a, b), d.handle).combined_x
                     return ((xl[0].astype(jnp.float32) + c.astype(jnp.float32)) * 0.5).astype(jnp.bfloat16)[None]
 
                 f = jax.shard_map(body, mesh=mesh, in_specs=(P(AX), P(AX), P(), P()), out_specs=P(AX))

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         def moe_step(ctx, mesh, spec):
             def body(xl, tkl):
                 d = je.dispatch(xl[0], tkl[0], ctx=ctx, num_experts=E, max_tokens_per_rank=N)
-                c, _ = je.combine(d.recv_x, d.handle)
+                c = je.combine(d.recv_x, d.handle).combined_x
                 return (c.astype(jnp.float32) * (1.0 / K)).astype(jnp.bfloat16)[None]
             f = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
             return lambda c: (f(*c), c[1])
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
         rows.append(row)
 
         # ------------------------------------------------------------------------------ Engram lookup
-        tabs = {"flat": je.EngramTable(flat, Ne, Hg, jnp.bfloat16, placement="device"),
-                "hier": je.EngramTable(hier, Ne, Hg, jnp.bfloat16, placement="device")}
+        tabs = {"flat": je.EngramTable(Ne, Hg, jnp.bfloat16, ctx=flat, placement="device"),
+                "hier": je.EngramTable(Ne, Hg, jnp.bfloat16, ctx=hier, placement="device")}
         table = rng.standard_normal((2 * Ne, Hg)).astype(jnp.bfloat16)
         for t in tabs.values():
             t.write_global(table)

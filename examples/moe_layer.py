@@ -1,5 +1,9 @@
 """A small expert-parallel MoE layer on jax_engram: router top-k -> dispatch(expand) -> ragged_dot -> combine.
 
+This file builds the layer from the primitives, to show how they fit together; the library ships the same
+layer ready to use: ``jax_engram.moe_layer`` (functional, on global arrays) and ``jax_engram.nn.MoE`` (Flax
+NNX). ``check_against_reference`` also checks ``jax_engram.moe_layer`` against this file's layer.
+
 Inside ``jax.shard_map`` over the expert-parallel axis every rank holds ``num_experts / R`` experts and its
 own tokens. The dispatch's expand layout is GEMM-ready: rows are grouped per local expert (``group_sizes``,
 alignment included), so the experts run as two ``jax.lax.ragged_dot`` calls. combine is an UNWEIGHTED sum,
@@ -67,8 +71,7 @@ def moe_layer(params, x, *, ctx, num_experts: int, top_k: int, max_tokens_per_ra
                       expand=True, expert_alignment=expert_alignment, zero_padding=True)
     y = experts(res.recv_x, params["w_up"], params["w_down"], res.group_sizes)
     y = y * res.recv_topk_weights[:, None]  # combine is an unweighted sum: apply the routing weights here
-    out, _ = je.combine(y.astype(x.dtype), res.handle)
-    return out
+    return je.combine(y.astype(x.dtype), res.handle).combined_x
 
 
 def moe_layer_reference(params, x, *, num_experts: int, top_k: int, max_tokens_per_rank: int,
@@ -173,6 +176,19 @@ def check_against_reference(ctx, mesh, *, dtype: str = "float32", tol: float = 2
             print(f"  {name:10s} max |diff| / max |ref| = {err:.2e}   (max |ref| = {scale:.3g})")
         if not err <= t:
             errs.append(f"{name}: relative error {err:.2e} > {t:.0e}")
+
+    # The packaged layer (je.moe_layer, gelu experts, same routing) on the same input, all tokens real.
+    import jax_engram as je
+
+    xs = put(x.reshape(R * M, hidden), P(ax))
+    packaged = jax.jit(lambda p, x: je.moe_layer(p, x, ctx=ctx, top_k=top_k, expert_alignment=alignment))(gparams, xs)
+    mine = jax.jit(jax.shard_map(lambda p, x: moe_layer(p, x, ctx=ctx, **cfg), mesh=mesh,
+                                 in_specs=({"router": P(), "w_up": P(ax), "w_down": P(ax)}, P(ax)),
+                                 out_specs=P(ax)))(gparams, xs)
+    if not np.array_equal(host(packaged).astype(np.float32), host(mine).astype(np.float32)):
+        errs.append("je.moe_layer differs from this example's layer")
+    elif verbose:
+        print("  je.moe_layer == this example's layer (bit for bit)")
 
     fwd_tol = tol if dtype == "float32" else 1e-2
     cmp("forward", host(o1), o2, fwd_tol)

@@ -28,9 +28,14 @@ def like(x, shape=None, dtype=None):
     return t.update(shape=t.shape if shape is None else tuple(shape), dtype=t.dtype if dtype is None else dtype)
 
 
+#: The dtype of every ordering token of jax_engram (float32: a token threads through jax.custom_vjp, where an
+#: integer would have a float0 cotangent and could not carry the order of the backward pass).
+TOKEN_DTYPE = jnp.float32
+
+
 def new_token(ctx):
-    """A per-rank int32 scalar that varies along the context axis (an ordering token)."""
-    return jax.lax.axis_index(ctx.axis_name).astype(jnp.int32) * 0
+    """A per-rank float32 scalar (0) that varies along the context axis (an ordering token)."""
+    return jax.lax.axis_index(ctx.axis_name).astype(TOKEN_DTYPE) * 0
 
 
 def i64(v) -> np.int64:

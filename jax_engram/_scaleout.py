@@ -163,14 +163,15 @@ class HierContext:
 
 # ------------------------------------------------------------------------------------------------- Engram
 def _engram_table_class():
-    from jax_engram.engram import EngramTable, EngramPending
+    from jax_engram.engram import EngramTable, EngramPending, _legacy_positional_ctx
 
     class _HierEngramTable(EngramTable):
         """EngramTable over a :class:`HierContext` (same API; see the module docstring for the path)."""
 
-        def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
+        @_legacy_positional_ctx
+        def __init__(self, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, ctx, placement: str = "host",
                      num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device", config=None):
-            inner = EngramTable(ctx.inner, num_entries, hidden, dtype, placement=placement,
+            inner = EngramTable(num_entries, hidden, dtype, ctx=ctx.inner, placement=placement,
                                 num_sf_packs=num_sf_packs, sf_dtype=sf_dtype, sf_placement=sf_placement,
                                 config=config)
             self.inner = inner
@@ -360,34 +361,28 @@ def _ep():
 def _handle_class():
     ep = _ep()
     base_fields = ep._HANDLE_FIELDS
+    extra = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
 
-    @jax.tree_util.register_pytree_node_class
+    @functools.partial(jax.tree_util.register_dataclass, data_fields=[*base_fields, *extra], meta_fields=["config"])
+    @dataclasses.dataclass(frozen=True, repr=False)
     class HierEPHandle(ep.EPHandle):
         """The EPHandle of a dispatch over a :class:`HierContext`. The flat fields hold the flat-path values
         over the global ranks (``dst_row`` included); ``inner`` is the intra-node dispatch's handle and the
         other extra arrays map rows between the intra-node layout and the flat one."""
 
+        inner: Any = None
+        tok_src: Any = None
+        row_src: Any = None
+        inner_tok_flat: Any = None
+        inner_row_flat: Any = None
+
         hierarchical = True
-        EXTRA = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
-
-        def __init__(self, config, **arrays):
-            super().__init__(config, **{k: v for k, v in arrays.items() if k in base_fields})
-            for f in self.EXTRA:
-                setattr(self, f, arrays.get(f))
-
-        def tree_flatten(self):
-            base, cfg = super().tree_flatten()
-            return tuple(base) + tuple(getattr(self, f) for f in self.EXTRA), cfg
+        EXTRA = extra
 
         @classmethod
-        def tree_unflatten(cls, config, children):
-            n = len(base_fields)
-            return cls(config, **dict(zip(base_fields, children[:n])), **dict(zip(cls.EXTRA, children[n:])))
-
-        def replace(self, **arrays):
-            d = {f: getattr(self, f) for f in base_fields + self.EXTRA}
-            d.update(arrays)
-            return HierEPHandle(self.config, **d)
+        def build(cls, config, **arrays):
+            """A handle from the arrays it has (the flat fields it does not have are None)."""
+            return cls(config=config, **{f: arrays.get(f) for f in (*base_fields, *extra)})
 
     return HierEPHandle
 
@@ -539,7 +534,7 @@ def _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
     inner = res.handle
     maps = _maps(cfg, inner)
     Hc = _handle_class()
-    h = Hc(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
+    h = Hc.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
            psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
            num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
            num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
@@ -576,7 +571,8 @@ def _combine_impl(cfg, y, w, biases, h, token):
     imap = h.inner_row_flat if cfg.expand else h.inner_tok_flat
     yi = y[jnp.minimum(imap, y.shape[0] - 1)]
     wi = None if w is None else w[jnp.minimum(imap, w.shape[0] - 1)]
-    cx, cw, t = ep.combine(yi, h.inner, topk_weights=wi, token=token, return_token=True)
+    r = ep.combine(yi, h.inner, topk_weights=wi, token=token)
+    cx, cw, t = r.combined_x, r.combined_topk_weights, r.token
     back = ctx.node_all_to_all(cx.reshape(Nn, N, S, -1))                     # [Nn (dest node), N, S, H]
     topk = h.topk_idx
     valid, orank, onode, oloc = _routing(cfg, topk)
@@ -779,8 +775,7 @@ def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank
         recv_x, recv_sf, recv_w, h = _dispatch_p(cfg, zero_padding, x, w, sf, topk, tok)
     else:
         recv_x, recv_sf, recv_w, t = _cached_p(cfg, zero_padding, x, w, sf, handle, tok)
-        h = handle.replace(token=t)
-        h.config = cfg
+        h = handle.replace(token=t, config=cfg)
     return ep.DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
                              h.group_sizes, h, h.token)
 

@@ -466,7 +466,8 @@ class Context:
         return freed
 
 
-def init(mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None, host_bytes: int | None = None,
+def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None,
+         host_bytes: int | None = None,
          timeout_s: float = 100.0, cuda_graphs: bool = False) -> Context:
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 

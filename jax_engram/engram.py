@@ -1,7 +1,7 @@
 """Engram: a huge embedding table sharded over the ranks of a context axis, read by *global* id with
 one-sided loads from every peer (DeepEP V2's ``engram_write`` / ``engram_fetch``, as jit primitives).
 
-Table. ``EngramTable(ctx, num_entries, hidden, dtype, placement=..., num_sf_packs=...)`` reserves, on every
+Table. ``EngramTable(num_entries, hidden, dtype, ctx=ctx, placement=..., num_sf_packs=...)`` reserves, on every
 rank, ``num_entries * hidden * itemsize`` bytes of symmetric memory (``ctx.region``): HBM (``"device"``) or
 host-NUMA memory mapped into every GPU's view (``"host"``). Rank r's shard holds global ids
 ``[r*num_entries, (r+1)*num_entries)``, row-major. With ``num_sf_packs = P > 0`` a replicated scale-factor
@@ -12,10 +12,12 @@ to be passed around between jitted calls.
 Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)::
 
     token = table.write(storage, sf=None, token=None)    # storage [num_entries, hidden]: this rank's shard
-    pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, E] global ids
+    pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, I] global ids
     ...                                                  # independent XLA work overlaps the reads (GPU)
-    data, sf = table.wait(pending)                       # data [T, E*hidden], sf per sf_layout or None
+    data, sf = table.wait(pending)                       # data [T, I*hidden], sf per sf_layout or None
     data, sf = table.lookup(indices, token, ...)         # fetch + wait
+
+(T tokens, I = ids per token; tokens are float32 scalars, as for every jax_engram op.)
 
 Outside ``shard_map`` (global arrays, jit and shard_map done for you)::
 
@@ -51,16 +53,17 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
   for small lookups. Rows whose size (or whose table offset / output address) is not a multiple of 16 bytes
   cannot move by bulk copies: there the "tma" choice runs the vector gather capped at ``num_sms`` CTAs.
   Results are identical bit for bit whichever gather runs.
-* No kernel is specialised on T, E, hidden or num_entries: the jitted program's custom calls carry the
+* No kernel is specialised on T, I, hidden or num_entries: the jitted program's custom calls carry the
   same attributes for every T (XLA still compiles one executable per distinct input shape, as for any
-  jitted function; DeepEP JIT-compiles a kernel per (num_entries, hidden, E, num_qps) instead).
+  jitted function; DeepEP JIT-compiles a kernel per (num_entries, hidden, I, num_qps) instead).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
-from typing import Any
+import warnings
+from typing import Any, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +73,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call
 from jax_engram.config import EngramConfig
-from jax_engram.context import JaxEngramError
+from jax_engram.context import Context, JaxEngramError
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
 
@@ -87,6 +90,26 @@ _INT32_MAX = 2**31 - 1
 _NO_BAD_POSITION = 0x7F7F7F7F  # engram_layout.h kNoBadPosition: flat positions T*E must stay below it
 
 _uids = itertools.count()
+
+Placement = Literal["host", "device"]
+EngramMode = Literal["fill", "clip", "checked"]
+SfLayout = Literal["row", "tma_col_major"]
+
+
+def _legacy_positional_ctx(init):
+    """``EngramTable(ctx, num_entries, ...)`` (the context first, positionally) still works for one release."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        if args and not isinstance(args[0], (int, np.integer)):  # a Context (flat or hierarchical), not num_entries
+            if "ctx" in kwargs:
+                raise TypeError("jax_engram.EngramTable: the context was given twice (positionally and as ctx=)")
+            warnings.warn("jax_engram.EngramTable(ctx, ...): passing the context positionally is deprecated; use "
+                          "EngramTable(num_entries, hidden, dtype, ctx=ctx)", DeprecationWarning, stacklevel=2)
+            kwargs["ctx"], args = args[0], args[1:]
+        return init(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _dtype_name(d) -> str:
@@ -109,13 +132,13 @@ def _check_choice(what: str, value, choices) -> int:
                    meta_fields=["has_sf", "overlap", "check_total"])
 @dataclasses.dataclass(frozen=True)
 class EngramPending:
-    """What ``EngramTable.fetch`` returns: the output buffers being filled and everything the reads touch.
-    Pass it to ``EngramTable.wait`` (in the same jitted program); do not read its fields."""
+    """What ``EngramTable.fetch`` returns (a frozen pytree): the output buffers being filled and everything the
+    reads touch. Pass it to ``EngramTable.wait`` (in the same jitted program); do not read its fields."""
 
-    data: Any
-    sf: Any
-    status: Any
-    indices: Any
+    data: jax.Array
+    sf: jax.Array
+    status: jax.Array
+    indices: jax.Array
     has_sf: bool
     overlap: bool
     check_total: int = 0  # mode="checked" on a device backend: wait raises if an id is not in [0, check_total)
@@ -168,12 +191,13 @@ class EngramTable:
     """A table of ``num_ranks * num_entries`` rows of ``hidden`` elements, sharded over the context axis.
 
     Args:
-      ctx: a :class:`jax_engram.Context`. Construction is collective (every process constructs its tables
-        in the same order) and takes memory from the context (``ctx.region``): from the init reservation
-        of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
       num_entries: rows per rank (every rank holds the same number).
       hidden: elements per row.
       dtype: bfloat16, float16, float32 or float8_e4m3fn.
+      ctx: a :class:`jax_engram.Context`. Construction is collective (every process constructs its tables
+        in the same order) and takes memory from the context (``ctx.region``): from the init reservation
+        of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
+        ``EngramTable(ctx, num_entries, ...)`` (positional context) is deprecated.
       placement: ``"host"`` (host-NUMA memory, read by the GPUs over PCIe/C2C) or ``"device"`` (HBM of the
         owner, read by peers over NVLink).
       num_sf_packs: P > 0 keeps a replicated scale-factor table ``[num_ranks*num_entries, P]`` of
@@ -185,15 +209,17 @@ class EngramTable:
         it per call. Part of the jit cache key.
     """
 
-    def __new__(cls, ctx=None, *args, **kwargs):
+    def __new__(cls, *args, **kwargs):
+        ctx = kwargs.get("ctx", args[0] if args else None)  # ctx=, or the deprecated positional context
         if cls is EngramTable and getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
             from jax_engram._scaleout import hier_engram_table_class
             cls = hier_engram_table_class()
         return super().__new__(cls)
 
-    def __init__(self, ctx, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, placement: str = "host",
-                 num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device",
-                 config: EngramConfig | None = None):
+    @_legacy_positional_ctx
+    def __init__(self, num_entries: int, hidden: int, dtype: Any = jnp.bfloat16, *, ctx: Context,
+                 placement: Placement = "host", num_sf_packs: int = 0, sf_dtype: Any = np.float32,
+                 sf_placement: Placement = "device", config: EngramConfig | None = None):
         pre = "jax_engram.EngramTable"
         ctx._check_open()
         for name, v, lo in (("num_entries", num_entries, 1), ("hidden", hidden, 1), ("num_sf_packs", num_sf_packs, 0)):
@@ -261,27 +287,30 @@ class EngramTable:
         return dict(alloc_id=self.region.alloc_id, offset=self.region.offset, num_entries=self.num_entries,
                     row_bytes=self.row_bytes)
 
-    def sf_shape(self, T: int, E: int, sf_layout: str = "row") -> tuple[int, ...]:
-        """Local shape of the sf output of a lookup of [T, E] ids (``(0,)`` without scale factors)."""
+    def sf_shape(self, num_tokens: int, ids_per_token: int, sf_layout: SfLayout = "row") -> tuple[int, ...]:
+        """Local shape of the sf output of a lookup of [num_tokens, ids_per_token] ids (``(0,)`` without scale
+        factors): "row" -> [num_tokens, ids_per_token*P], "tma_col_major" -> [ids_per_token*P,
+        align(num_tokens, 4)]."""
         _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         if not self.num_sf_packs:
             return (0,)
-        EP = E * self.num_sf_packs
+        packs = ids_per_token * self.num_sf_packs
         if sf_layout == "row":
-            return (T, EP)
-        return (EP, (T + _SF_TOKEN_ALIGN - 1) // _SF_TOKEN_ALIGN * _SF_TOKEN_ALIGN)
+            return (num_tokens, packs)
+        return (packs, (num_tokens + _SF_TOKEN_ALIGN - 1) // _SF_TOKEN_ALIGN * _SF_TOKEN_ALIGN)
 
     def _indices(self, indices, op: str):
         indices = jnp.asarray(indices)
         if indices.ndim != 2:
-            raise ValueError(f"jax_engram EngramTable.{op}: indices must be [T, E] (tokens x ids per token) global "
+            raise ValueError(f"jax_engram EngramTable.{op}: indices must be [num_tokens, ids_per_token] global "
                              f"ids, got shape {indices.shape}")
         if not jnp.issubdtype(indices.dtype, jnp.integer):
             raise TypeError(f"jax_engram EngramTable.{op}: indices must be an integer array (int32 global ids), got "
                             f"{indices.dtype}")
         T, E = indices.shape
         if T * E >= _NO_BAD_POSITION:
-            raise ValueError(f"jax_engram EngramTable.{op}: T*E = {T * E} ids per call is too many (limit "
+            raise ValueError(f"jax_engram EngramTable.{op}: num_tokens*ids_per_token = {T * E} ids per call is "
+                             f"too many (limit "
                              f"{_NO_BAD_POSITION - 1})")
         if indices.dtype != jnp.int32:
             # Saturate instead of wrapping: an id beyond int32 must stay out of range, not alias a valid row.
@@ -294,12 +323,13 @@ class EngramTable:
         return indices
 
     # --------------------------------------------------------------------------- in shard_map
-    def write(self, storage, sf=None, *, token=None):
-        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] (and, with scale
-        factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
+    def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *,
+              token: Optional[jax.Array] = None) -> jax.Array:
+        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] of the table's dtype
+        (and, with scale factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
 
         ``token``: any array that must be computed before the write starts (e.g. the data of an earlier
-        lookup of this table in the same program). Returns an int32 token: pass it to the fetches that
+        lookup of this table in the same program). Returns a float32 [] token: pass it to the fetches that
         must see the new table.
         """
         _call.check_axis(self.ctx, "EngramTable.write")
@@ -334,16 +364,19 @@ class EngramTable:
         if token is None:
             token = _call.new_token(self.ctx)
         token = jnp.asarray(token)
-        return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), jnp.int32), token, storage,
+        return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
+                          storage,
                           sf, **self._table_attrs(), **self._sf_attrs(), sf_bytes=sf_bytes)
 
-    def fetch(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
-              overlap: bool = True, config: EngramConfig | None = None) -> EngramPending:
-        """Enqueue the reads of rows ``indices`` [T, E] (global ids); returns a pending lookup for ``wait``.
+    def fetch(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
+              sf_layout: SfLayout = "row", overlap: bool = True,
+              config: EngramConfig | None = None) -> EngramPending:
+        """Enqueue the reads of rows ``indices`` [T, I] (T tokens, I ids per token; int32 global ids); returns a
+        pending lookup for ``wait``.
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
         must be computed first). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
-        "row" -> sf [T, E*P]; "tma_col_major" -> sf [E*P, align(T, 4)] (column-major by token, zero padding).
+        "row" -> sf [T, I*P]; "tma_col_major" -> sf [I*P, align(T, 4)] (column-major by token, zero padding).
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
         is what ``lookup`` does). No effect on CPU, where fetch reads synchronously.
@@ -375,8 +408,9 @@ class EngramTable:
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
         return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total)
 
-    def wait(self, pending: EngramPending, token=None):
-        """Wait for a pending fetch; returns ``(data [T, E*hidden], sf or None)``.
+    def wait(self, pending: EngramPending, token: Optional[jax.Array] = None
+             ) -> tuple[jax.Array, Optional[jax.Array]]:
+        """Wait for a pending fetch; returns ``(data [T, I*hidden] of the table's dtype, sf or None)``.
 
         ``token``: optional array that must be computed before the wait (e.g. the result of the work meant to
         overlap the reads), so that XLA cannot schedule the wait before that work.
@@ -399,11 +433,12 @@ class EngramTable:
                                pending.indices, jax.lax.axis_index(self.ctx.axis_name))
         return data, (sf if pending.has_sf else None)
 
-    def lookup(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
-               config: EngramConfig | None = None):
+    def lookup(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
+               sf_layout: SfLayout = "row",
+               config: EngramConfig | None = None) -> tuple[jax.Array, Optional[jax.Array]]:
         """``wait(fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))``:
-        ``(data, sf or None)``; on GPU the reads run on XLA's stream (nothing to overlap with) with the
-        config's ``lookup_gather``."""
+        ``(data [T, I*hidden], sf or None)``; on GPU the reads run on XLA's stream (nothing to overlap with) with
+        the config's ``lookup_gather``."""
         return self.wait(self.fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))
 
     # ----------------------------------------------------------------------------- global API
@@ -415,7 +450,7 @@ class EngramTable:
         if self._token is None:
             # make_array_from_callback, not device_put: on a multi-process job device_put of a host array checks
             # that every process passed the same value with an XLA all-gather, and this needs no collective.
-            zeros = np.zeros((self.num_ranks,), np.int32)
+            zeros = np.zeros((self.num_ranks,), np.float32)
             self._token = jax.make_array_from_callback(zeros.shape, NamedSharding(mesh, P(ax)), lambda i: zeros[i])
         return self._token
 
@@ -432,11 +467,11 @@ class EngramTable:
             fn = self._global_fns["write"] = jax.jit(sm)
         return fn
 
-    def write_global(self, x, sf=None):
+    def write_global(self, x: jax.Array | np.ndarray, sf: jax.Array | np.ndarray | None = None) -> jax.Array:
         """Collective: write the whole table from ``x`` [num_ranks*num_entries, hidden] (rank r's shard =
         rows r*num_entries..; a jax.Array sharded along the axis, or a host array that every process passes
         in full) and, with scale factors, the replicated ``sf`` [num_ranks*num_entries, P]. Ordered after
-        every earlier ``*_global`` call of this table. Returns the token (int32 [num_ranks])."""
+        every earlier ``*_global`` call of this table. Returns the token (float32 [num_ranks])."""
         mesh, ax = self._mesh_spec()
         shape = (self.total_entries, self.hidden)
         if tuple(np.shape(x)) != shape:
@@ -481,23 +516,25 @@ class EngramTable:
                 pend = self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, overlap=False, config=config)
                 data, sf = self.wait(pend)
                 # The next *_global call depends on this lookup through the status word (never read).
-                return data, (sf if sf is not None else jnp.zeros((0,), jnp.int32)), pend.status.reshape(1)
+                return (data, (sf if sf is not None else jnp.zeros((0,), jnp.int32)),
+                        pend.status.reshape(1).astype(_call.TOKEN_DTYPE))
 
             sm = jax.shard_map(body, mesh=mesh, in_specs=(ids_spec, P(ax)),
                                out_specs=(out_spec, out_spec if self.num_sf_packs else P(), P(ax)))
             fn = self._global_fns[key] = jax.jit(sm)
         return fn
 
-    def lookup_global(self, ids, *, mode: str = "fill", sf_layout: str = "row", sharded: bool | None = None,
-                      config: EngramConfig | None = None):
+    def lookup_global(self, ids: jax.Array | np.ndarray, *, mode: EngramMode = "fill", sf_layout: SfLayout = "row",
+                      sharded: Optional[bool] = None,
+                      config: EngramConfig | None = None) -> tuple[jax.Array, Optional[jax.Array]]:
         """Look up global ids from outside shard_map. Two forms:
 
         * sharded (default for a jax.Array whose first dimension is sharded along the context axis): ids
-          [num_ranks*T, E], rank r looks up rows r*T..(r+1)*T; returns data [num_ranks*T, E*hidden] sharded
-          the same way and sf as the per-rank sf outputs stacked along axis 0 ([num_ranks*T, E*P] for "row",
-          [num_ranks*E*P, align(T, 4)] for "tma_col_major").
-        * replicated (numpy arrays, replicated jax.Arrays, or ``sharded=False``): ids [T, E] seen by every
-          rank; returns replicated data [T, E*hidden] and sf ([T, E*P] or [E*P, align(T, 4)]).
+          [num_ranks*T, I], rank r looks up rows r*T..(r+1)*T; returns data [num_ranks*T, I*hidden] sharded
+          the same way and sf as the per-rank sf outputs stacked along axis 0 ([num_ranks*T, I*P] for "row",
+          [num_ranks*I*P, align(T, 4)] for "tma_col_major").
+        * replicated (numpy arrays, replicated jax.Arrays, or ``sharded=False``): ids [T, I] seen by every
+          rank; returns replicated data [T, I*hidden] and sf ([T, I*P] or [I*P, align(T, 4)]).
 
         Ordered after every earlier ``*_global`` call of this table. ``config`` overrides the table's
         :class:`EngramConfig` (its ``lookup_gather`` applies). Returns ``(data, sf or None)``.
@@ -507,14 +544,15 @@ class EngramTable:
         _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         mesh, ax = self._mesh_spec()
         if np.ndim(ids) != 2:
-            raise ValueError(f"jax_engram EngramTable.lookup_global: ids must be [T, E], got shape {np.shape(ids)}")
+            raise ValueError(f"jax_engram EngramTable.lookup_global: ids must be [num_tokens, ids_per_token], got "
+                             f"shape {np.shape(ids)}")
         if sharded is None:
             sharded = (isinstance(ids, jax.Array) and isinstance(ids.sharding, NamedSharding)
                        and len(ids.sharding.spec) > 0 and ids.sharding.spec[0] is not None
                        and ax in (ids.sharding.spec[0] if isinstance(ids.sharding.spec[0], tuple)
                                   else (ids.sharding.spec[0],)))
         if sharded and np.shape(ids)[0] % self.num_ranks:
-            raise ValueError(f"jax_engram EngramTable.lookup_global: sharded ids [num_ranks*T, E] need a first "
+            raise ValueError(f"jax_engram EngramTable.lookup_global: sharded ids [num_ranks*T, I] need a first "
                              f"dimension divisible by num_ranks={self.num_ranks}, got {np.shape(ids)}")
         if not isinstance(ids, jax.Array):
             ids = np.asarray(ids)

@@ -5,7 +5,7 @@ Call inside ``jax.shard_map`` over the context's mesh axis (local shapes), under
     res = jax_engram.dispatch(x, topk_idx, topk_weights, ctx=ctx, num_experts=E, max_tokens_per_rank=M,
                               expand=True, expert_alignment=128, zero_padding=True)
     y = expert_mlp(res.recv_x, res.group_sizes) * res.recv_topk_weights[:, None]
-    out, _ = jax_engram.combine(y.astype(jnp.bfloat16), res.handle)
+    out = jax_engram.combine(y.astype(jnp.bfloat16), res.handle).combined_x
 
 Shapes are static worst cases (R ranks, M = max_tokens_per_rank, K = top-k, E_loc = E / R, A = alignment):
 non-expand ``recv_x`` is ``[R*M, H]`` (rows grouped by source rank, then source token), expand ``recv_x`` is
@@ -18,13 +18,13 @@ defined, and only with ``zero_padding=True``).
 Semantics: ``docs/semantics.md`` ("MoE dispatch", "MoE combine"); they are tested bit-exactly against
 :mod:`jax_engram.reference`. Notes:
 
-* ``deterministic`` is accepted and always satisfied: the receiver pulls rows in the canonical order, so
-  every dispatch returns the reference (= DeepEP deterministic-mode) order, run to run.
+* The receive order is always canonical: the receiver pulls rows in the reference (= DeepEP
+  deterministic-mode) order, run to run (``deterministic=`` is deprecated and does nothing).
 * ``combine`` is an UNWEIGHTED sum (fp32 accumulation, one rounding per reduction level, bias first, ranks
   in ascending order of the token's master top-k position). Apply routing weights yourself before it
   (multiply the expert outputs by ``recv_topk_weights``); ``combine(topk_weights=...)`` only routes weights
   back to the source tokens (``combined_topk_weights``).
-* Ordering: every op takes and returns an opaque ``token`` (a float32 scalar). ``combine`` follows its
+* Ordering: every op takes and returns an opaque ``token`` (a float32 scalar, as for every jax_engram op). ``combine`` follows its
   dispatch through ``handle.token``; pass ``token=`` explicitly to order EP ops that are not otherwise
   connected by data (e.g. two micro-batches): every rank must run the same sequence of EP ops on a context.
   The gradient pass is ordered the same way, in reverse (the token's cotangent carries the order).
@@ -40,16 +40,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+import warnings
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_engram import _call
-from jax_engram.context import JaxEngramError
+from jax_engram.context import Context, JaxEngramError
 
-__all__ = ["dispatch", "combine", "DispatchResult", "EPHandle", "dispatch_staging_bytes",
+__all__ = ["dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "dispatch_staging_bytes",
            "combine_staging_bytes", "expand_rows", "MAX_TOPK"]
 
 MAX_TOPK = 32
@@ -158,36 +159,40 @@ _HANDLE_FIELDS = ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_exp
                   "num_recv_tokens", "group_sizes", "recv_topk_idx", "token")
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_HANDLE_FIELDS), meta_fields=["config"])
+@dataclasses.dataclass(frozen=True, repr=False)
 class EPHandle:
-    """What combine and cached dispatch need to reverse / replay a dispatch (a pytree: device arrays are
-    leaves, the static configuration is aux data).
+    """What combine and cached dispatch need to reverse / replay a dispatch: a frozen pytree (device arrays
+    are leaves, the static configuration ``config`` is aux data). Per rank (inside ``shard_map``), with R
+    ranks, M = max_tokens_per_rank, N tokens of this rank, K = top-k, E_loc = num_experts / R:
 
-    Arrays: ``psum_num_recv_tokens_per_rank`` [R] (inclusive psum of tokens received per source rank),
-    ``psum_num_recv_tokens_per_expert`` [E_loc] (non-expand: inclusive psum of aligned counts; expand:
-    ``start[e] + count[e]``), ``num_unaligned_recv_tokens_per_expert`` [E_loc], ``recv_src_metadata``
-    [R*M, K+2] (``[:,0]`` src_gid, ``[:,1]`` src_rank*K + master_k, ``[:,2+k]`` expand row or -1),
-    ``dst_row`` [N, R] (row of my token t in rank d's non-expand layout, or -1; DeepEP's dst slot),
-    ``topk_idx`` [N, K] int32, ``num_recv_tokens`` [], ``group_sizes`` [E_loc], ``recv_topk_idx``
-    (non-expand [R*M, K], expand None), ``token`` (orders the next EP op after this dispatch).
+    * ``psum_num_recv_tokens_per_rank`` int32 [R]: inclusive prefix sum of tokens received per source rank.
+    * ``psum_num_recv_tokens_per_expert`` int32 [E_loc]: non-expand, inclusive prefix sum of the aligned
+      counts; expand, ``start[e] + count[e]``.
+    * ``num_unaligned_recv_tokens_per_expert`` int32 [E_loc].
+    * ``recv_src_metadata`` int32 [R*M, K+2]: ``[:, 0]`` source global id ``src_rank*M + t``, ``[:, 1]``
+      ``src_rank*K + master_k``, ``[:, 2+k]`` expand row of top-k position k, or -1.
+    * ``dst_row`` int32 [N, R]: row of my token t in rank d's non-expand layout, or -1 (DeepEP's dst slot).
+    * ``topk_idx`` int32 [N, K]; ``num_recv_tokens`` int32 []; ``group_sizes`` int32 [E_loc];
+      ``recv_topk_idx`` int32 [R*M, K] (non-expand) or None (expand).
+    * ``token`` float32 []: orders the next EP op after this dispatch.
     """
 
-    def __init__(self, config: _Config, **arrays):
-        self.config = config
-        for f in _HANDLE_FIELDS:
-            setattr(self, f, arrays.get(f))
+    psum_num_recv_tokens_per_rank: jax.Array
+    psum_num_recv_tokens_per_expert: jax.Array
+    num_unaligned_recv_tokens_per_expert: jax.Array
+    recv_src_metadata: jax.Array
+    dst_row: jax.Array
+    topk_idx: jax.Array
+    num_recv_tokens: jax.Array
+    group_sizes: jax.Array
+    recv_topk_idx: Optional[jax.Array]
+    token: jax.Array
+    config: _Config
 
-    def tree_flatten(self):
-        return tuple(getattr(self, f) for f in _HANDLE_FIELDS), self.config
-
-    @classmethod
-    def tree_unflatten(cls, config, children):
-        return cls(config, **dict(zip(_HANDLE_FIELDS, children)))
-
-    def replace(self, **arrays) -> "EPHandle":
-        d = {f: getattr(self, f) for f in _HANDLE_FIELDS}
-        d.update(arrays)
-        return EPHandle(self.config, **d)
+    def replace(self, **changes: Any) -> "EPHandle":
+        """A copy with some fields replaced (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
 
     # DeepEP-style accessors
     dst_slot = property(lambda self: self.dst_row)
@@ -200,11 +205,28 @@ class EPHandle:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"EPHandle(ranks={c.num_ranks}, experts={c.num_experts}, M={c.max_tokens_per_rank}, "
-                f"N={c.num_tokens}, K={c.topk}, expand={c.expand}, A={c.expert_alignment})")
+        return (f"EPHandle(ranks={c.num_ranks}, num_experts={c.num_experts}, max_tokens_per_rank="
+                f"{c.max_tokens_per_rank}, num_tokens={c.num_tokens}, topk={c.topk}, expand={c.expand}, "
+                f"expert_alignment={c.expert_alignment})")
 
 
-class DispatchResult(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
+                                "num_recv_tokens", "group_sizes", "handle", "token"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DispatchResult:
+    """What :func:`dispatch` returns (a frozen pytree). Per rank, rows = the receive layout's static row count
+    (non-expand ``R*M``, expand :func:`expand_rows`), H hidden, P scale packs, K top-k, E_loc local experts:
+
+    * ``recv_x`` [rows, H] of x's dtype; ``recv_x_scales`` [rows, P] or None (no ``x_scales``).
+    * ``recv_topk_idx`` int32 [R*M, K] local expert ids (non-expand; -1 = not on this rank) or None (expand).
+    * ``recv_topk_weights`` float32 (non-expand [R*M, K], expand [rows]) or None (no ``topk_weights``).
+    * ``num_recv_tokens`` int32 []: real rows (non-expand) / real (token, k) rows (expand).
+    * ``group_sizes`` int32 [E_loc]: rows per local expert, alignment included (``jax.lax.ragged_dot``).
+    * ``handle``: the :class:`EPHandle` for :func:`combine` and cached dispatch.
+    * ``token`` float32 []: orders a later EP op after this one.
+    """
+
     recv_x: jax.Array
     recv_x_scales: Optional[jax.Array]
     recv_topk_idx: Optional[jax.Array]
@@ -213,6 +235,33 @@ class DispatchResult(NamedTuple):
     group_sizes: jax.Array
     handle: EPHandle
     token: jax.Array
+
+
+_LEGACY_COMBINE_UNPACK = ("unpacking a CombineResult as a tuple (`out, w = combine(...)`) is deprecated; use "
+                          "`.combined_x` / `.combined_topk_weights` / `.token`")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["combined_x", "combined_topk_weights", "token"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CombineResult:
+    """What :func:`combine` returns (a frozen pytree), per rank with N tokens, H hidden, K top-k:
+
+    * ``combined_x`` [N, H] of y's dtype: the reduced expert outputs of every token.
+    * ``combined_topk_weights`` float32 [N, K] or None (no ``topk_weights`` passed).
+    * ``token`` float32 []: orders a later EP op after this combine.
+
+    Unpacking it as ``(combined_x, combined_topk_weights)`` still works for one release, with a
+    DeprecationWarning.
+    """
+
+    combined_x: jax.Array
+    combined_topk_weights: Optional[jax.Array]
+    token: jax.Array
+
+    def __iter__(self):
+        warnings.warn(_LEGACY_COMBINE_UNPACK, DeprecationWarning, stacklevel=2)
+        return iter((self.combined_x, self.combined_topk_weights))
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -224,6 +273,19 @@ def _varying(x, ctx):
     if ctx.axis_name not in vma:
         x = jax.lax.pcast(x, ctx.axis_name, to="varying")
     return x
+
+
+def _vma(x) -> frozenset:
+    t = jax.typeof(x)
+    return frozenset(t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma)
+
+
+def _vary_like(a, ref):
+    """a marked as varying along every manual axis ref varies along (e.g. a data-parallel axis of a 2-D mesh
+    besides the context's): the gradient rules return cotangents typed like the data, so the differentiable
+    operands (token, weights, biases) must carry the data's varying axes."""
+    extra = _vma(ref) - _vma(a)
+    return jax.lax.pcast(a, tuple(sorted(extra)), to="varying") if extra else a
 
 
 def _ffi_token(token, ctx):
@@ -472,49 +534,15 @@ def _check_int(name, v, lo=None):
     return int(v)
 
 
-def _routing_errors(topk_idx, num_experts: int, ctx):
-    """validate_routing=True: a float32 zero that the dispatch's token depends on, computed after every rank's
-    topk_idx was checked (on the device) and the first offender of any rank reported to every rank's host: a
-    host callback raises there (on every rank) before the dispatch runs, so nothing is sent."""
-    N, K = topk_idx.shape
-    if N == 0:
-        rec = jnp.zeros((4,), topk_idx.dtype)
-    else:
-        oob = (topk_idx < -1) | (topk_idx >= num_experts)
-        srt = jnp.sort(topk_idx, axis=1)
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        oob_tok, dup_tok = jnp.any(oob, axis=1), jnp.any(dup, axis=1)
-        t = jnp.argmax(oob_tok | dup_tok)
-        v_oob = topk_idx[t, jnp.argmax(oob[t])]
-        v_dup = srt[t, 1:][jnp.argmax(dup[t])] if K > 1 else v_oob
-        kind = jnp.where(oob_tok[t], 1, jnp.where(dup_tok[t], 2, 0))
-        rec = jnp.stack([kind.astype(topk_idx.dtype), t.astype(topk_idx.dtype),
-                         jnp.where(kind == 1, v_oob, v_dup), jnp.zeros((), topk_idx.dtype)])
-    everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
-    zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
-                             jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))
-    return jax.lax.stop_gradient(zero)
-
-
-def _raise_routing(everyone, rank, *, num_experts: int):
-    everyone = np.asarray(everyone)
-    for r, (kind, t, v, _) in enumerate(everyone.tolist()):
-        if kind:
-            who = f"rank {r} (this rank)" if r == int(np.asarray(rank)) else f"rank {r}"
-            what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
-                    else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
-            raise JaxEngramError(
-                f"jax_engram dispatch (validate_routing=True): topk_idx of {who}, token {t}, {what}. Nothing was "
-                "sent and the context is still usable: fix the routing (mask invalid or repeated experts with -1) "
-                "and call again")
-    return np.zeros((), np.float32)
-
-
-def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_tokens_per_rank: int,
-             expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, x_scales=None,
-             handle: Optional[EPHandle] = None, deterministic: bool = False, num_sms: Optional[int] = None,
-             token=None, validate_routing: bool = False) -> DispatchResult:
+def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: Optional[jax.Array] = None, *,
+             ctx: Context, num_experts: int, max_tokens_per_rank: int, expand: bool = False,
+             expert_alignment: int = 1, zero_padding: bool = False, x_scales: Optional[jax.Array] = None,
+             handle: Optional[EPHandle] = None, num_sms: Optional[int] = None, token: Optional[jax.Array] = None,
+             validate_routing: bool = False, deterministic: Optional[bool] = None) -> DispatchResult:
     """Send every token to the ranks owning its top-k experts (inside shard_map over ``ctx``'s axis).
+
+    The order of the received rows is always canonical (source rank, then source token; expand segments by
+    source global id), the same run to run (DeepEP's deterministic mode).
 
     Args:
       x: ``[N, H]`` bf16 / f16 / f32, or float8_e4m3fn with ``x_scales`` ``[N, P]`` (f32 or int32, copied
@@ -530,15 +558,15 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
       expert_alignment: A, per-expert segment alignment (counts are reported aligned to it).
       zero_padding: expand only; zero the alignment padding rows (x, scales, weights).
       handle: replay the layout of a previous dispatch (cached dispatch): same ctx, E, M, expand, A, K, N.
-      deterministic: accepted; always satisfied (the order is canonical: source rank, then source token;
-        expand segments by source global id).
       num_sms: SMs for the CUDA kernels (None/0 = automatic); ignored on CPU.
-      token: orders this op after another jax_engram op (a token it returned); default: no dependency.
+      token: float32 [] from another jax_engram op, to order this op after it; default: no dependency
+        (with ``handle``: the handle's token).
       validate_routing: check ``topk_idx`` on every rank first (ids in [-1, num_experts), no duplicate expert
         within a token): an all-gather of one small record over the axis and a host callback, which raises
         :class:`jax_engram.JaxEngramError` on every rank, naming the rank, token and id, before anything is
         sent; the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
         context unusable (close it and init a new one). Uses an XLA collective over the axis.
+      deterministic: deprecated, does nothing (the order is always canonical); passing it warns.
 
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     num_recv_tokens, group_sizes, handle, token).
@@ -557,7 +585,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
                                   expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
                                   handle=handle, num_sms=num_sms, token=token)
     _call.check_axis(ctx, "dispatch")
-    del deterministic  # always satisfied: see the module docstring
+    if deterministic is not None:
+        warnings.warn("jax_engram.dispatch: `deterministic` is deprecated and does nothing (the receive order is "
+                      "always canonical); drop the argument", DeprecationWarning, stacklevel=2)
     R = ctx.num_ranks
     x = jnp.asarray(x)
     if x.ndim != 2:
@@ -630,7 +660,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     sf = _varying(x_scales, ctx) if x_scales is not None else _empty((N, 0), jnp.float32, ctx)
     if token is None and handle is not None:
         token = handle.token
-    tok = _ffi_token(token, ctx)
+    tok = _vary_like(_ffi_token(token, ctx), x)
+    w = _vary_like(w, x)
 
     if handle is None:
         if validate_routing:
@@ -638,10 +669,10 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
         topk_idx = _varying(topk_idx.astype(jnp.int32), ctx)
         outs = _dispatch_p(cfg, zero_padding, False, x, w, sf, (topk_idx,), tok)
         recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, gsz, t = outs
-        h = EPHandle(cfg, psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
+        h = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                      num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
                      topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=gsz,
-                     recv_topk_idx=None if expand else recv_topk, token=t)
+                     recv_topk_idx=None if expand else recv_topk, token=t, config=cfg)
         return DispatchResult(recv_x, recv_sf if x_scales is not None else None, None if expand else recv_topk,
                               recv_w if topk_weights is not None else None, num_recv, gsz, h, t)
 
@@ -649,14 +680,17 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, ctx, num_experts: int, max_
     routing = (h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
                h.num_unaligned_recv_tokens_per_expert, h.dst_row, h.topk_idx)
     recv_x, recv_sf, recv_w, t = _dispatch_p(cfg, zero_padding, True, x, w, sf, routing, tok)
-    h = h.replace(token=t)
-    h.config = cfg
+    h = h.replace(token=t, config=cfg)
     return DispatchResult(recv_x, recv_sf if x_scales is not None else None, h.recv_topk_idx,
                           recv_w if topk_weights is not None else None, h.num_recv_tokens, h.group_sizes, h, t)
 
 
-def combine(y, handle: EPHandle, *, topk_weights=None, bias=None, token=None, return_token: bool = False):
+def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array] = None,
+            bias: jax.Array | tuple[jax.Array, ...] | None = None, token: Optional[jax.Array] = None,
+            return_token: Optional[bool] = None) -> CombineResult:
     """Reduce the expert outputs back to their source tokens (inverse of the dispatch that made ``handle``).
+
+    The context is the handle's (``handle.ctx``); call inside shard_map over its axis.
 
     Args:
       y: the dispatch's receive layout, bfloat16 (float32 accepted, e.g. for gradient checks; CPU only
@@ -667,19 +701,26 @@ def combine(y, handle: EPHandle, *, topk_weights=None, bias=None, token=None, re
         (``combined_topk_weights[t, k]`` = the entry of (t, k) on the rank owning expert ``topk_idx[t, k]``,
         0 where ``topk_idx < 0``). Not applied to y: the combine is an unweighted sum.
       bias: None, one ``[N, H]`` array or a tuple of two, of y's dtype; added first (fp32).
-      token: order after this token instead of the handle's (default: ``handle.token``).
-      return_token: also return the op's token (to order later EP ops after this combine).
+      token: float32 []: order after this token instead of the handle's (default: ``handle.token``).
+      return_token: deprecated (the token is ``CombineResult.token``); ``True`` returns the old tuple
+        ``(combined_x, combined_topk_weights, token)`` with a DeprecationWarning.
 
-    Returns ``(combined_x [N, H] of y's dtype, combined_topk_weights [N, K] float32 or None)``
-    (``+ (token,)`` with ``return_token``).
+    Returns a :class:`CombineResult`: ``combined_x`` [N, H] of y's dtype, ``combined_topk_weights`` [N, K]
+    float32 or None, ``token`` float32 [].
     """
+    if return_token is not None:
+        warnings.warn("jax_engram.combine: `return_token` is deprecated; combine returns a CombineResult whose "
+                      "`.token` orders later EP ops", DeprecationWarning, stacklevel=2)
     if not isinstance(handle, EPHandle):
         raise TypeError(f"jax_engram.combine: handle must be the EPHandle of the dispatch it reverses, got "
                         f"{type(handle).__name__}")
     if getattr(handle, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
         from jax_engram import _scaleout
-        return _scaleout.combine(y, handle, topk_weights=topk_weights, bias=bias, token=token,
-                                 return_token=return_token)
+        cx, cw, t = _scaleout.combine(y, handle, topk_weights=topk_weights, bias=bias, token=token,
+                                      return_token=True)
+        if return_token:
+            return (cx, cw, t)  # type: ignore[return-value]
+        return CombineResult(cx, cw, t)
     cfg = handle.config
     ctx = cfg.ctx
     _call.check_axis(ctx, "combine")
@@ -724,7 +765,11 @@ def combine(y, handle: EPHandle, *, topk_weights=None, bias=None, token=None, re
     harr = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
             h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,
             h.recv_topk_idx if h.recv_topk_idx is not None else _empty((0, K), jnp.int32, ctx))
-    tok = _ffi_token(h.token if token is None else token, ctx)
-    cx, cw, t = _combine_p(cfg, _varying(y, ctx), w, tuple(checked), harr, tok)
-    out = (cx, cw if topk_weights is not None else None)
-    return out + (t,) if return_token else out
+    y = _varying(y, ctx)
+    tok = _vary_like(_ffi_token(h.token if token is None else token, ctx), y)
+    w = _vary_like(w, y)
+    cx, cw, t = _combine_p(cfg, y, w, tuple(_vary_like(b, y) for b in checked), harr, tok)
+    res = CombineResult(cx, cw if topk_weights is not None else None, t)
+    if return_token:
+        return (res.combined_x, res.combined_topk_weights, res.token)  # type: ignore[return-value]
+    return res

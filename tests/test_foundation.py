@@ -49,12 +49,14 @@ def test_multi_process_cpu(launch, nproc, ndev):
     assert all(r["devices"] == nproc * ndev and r["processes"] == nproc for r in res)
 
 
-def test_main_job_diagnosis():
-    p = subprocess.run([sys.executable, "-m", "jax_engram", "--platform", "cpu"], capture_output=True, text=True,
-                       timeout=300, cwd=str(REPO_ROOT), env=dict(os.environ, JAX_PLATFORMS="cpu"))
+@pytest.mark.parametrize("devices", [4, 1])
+def test_diagnosis(devices):
+    p = subprocess.run([sys.executable, "-m", "jax_engram.diagnose", "--platform", "cpu", "--cpu-devices",
+                        str(devices)], capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT),
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for needle in ("jax_engram diagnosis", "barrier round trip", "ring exchange (device segment)  PASS",
-                   "ring exchange (host segment)", "RESULT: PASS"):
+                   "RESULT: PASS", f" {devices} total, {devices} local"):
         assert needle in p.stdout, f"missing {needle!r} in:\n{p.stdout}"
 
 

@@ -100,7 +100,7 @@ def test_cpu_wheel_is_abi3_manylinux_and_installs_into_a_fresh_venv(tmp_path):
         from jax_engram.bench.__main__ import find_scripts
         mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
         ctx = je.init(mesh, "ep")
-        table = je.EngramTable(ctx, 8, 4, np.float32, placement="device")
+        table = je.EngramTable(8, 4, np.float32, ctx=ctx, placement="device")
         x = np.arange(2 * 8 * 4, dtype=np.float32).reshape(16, 4)
         table.write_global(x)
         ids = np.array([[3, 12], [-1, 9]], np.int32)

@@ -68,7 +68,7 @@ def make(n):
             return repeat(lambda i, t: je.dispatch(x, tk, token=t, **kw).token, t0)[None]
         res = je.dispatch(x, tk, token=t0, **kw)
         y = res.recv_x
-        return repeat(lambda i, t: je.combine(y, res.handle, token=t, return_token=True)[-1], res.token)[None]
+        return repeat(lambda i, t: je.combine(y, res.handle, token=t).token, res.token)[None]
     progs[n] = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
     return progs[n]
 
@@ -79,9 +79,9 @@ def first(x, tk):
         if layout == "expand":
             rows = jnp.arange(res.recv_x.shape[0])[:, None]
             y = jnp.where(rows < res.num_recv_tokens, res.recv_x, 0)
-            out, _ = je.combine(y, res.handle)
+            out = je.combine(y, res.handle).combined_x
             return out[None], jnp.full((1,), out.shape[0], jnp.int32)
-        out, _ = je.combine(res.recv_x, res.handle)
+        out = je.combine(res.recv_x, res.handle).combined_x
         return out[None], jnp.full((1,), out.shape[0], jnp.int32)
     return res.recv_x[None], res.num_recv_tokens[None]
 

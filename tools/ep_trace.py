@@ -34,7 +34,7 @@ def x_in(x):  # (x, x_scales): FP8 with 56 scales per token (hidden 7168 / 128),
 def f(x, tk):
     xb, sf = x_in(x)
     res = je.dispatch(xb, tk[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand, x_scales=sf)
-    out, _ = je.combine(res.recv_x.astype(jnp.bfloat16), res.handle)
+    out = je.combine(res.recv_x.astype(jnp.bfloat16), res.handle).combined_x
     return out[None]
 
 
@@ -45,7 +45,7 @@ def f_loop(x, tk):
     tok = jax.lax.fori_loop(0, loop, lambda i, t: je.dispatch(xb, tk[0], token=t, **kw).token, tok0)
     res = je.dispatch(xb, tk[0], token=tok, **kw)
     y = res.recv_x.astype(jnp.bfloat16)
-    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.combine(y, res.handle, token=t, return_token=True)[-1],
+    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.combine(y, res.handle, token=t).token,
                             res.token)
     return tok[None]
 

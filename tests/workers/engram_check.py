@@ -178,7 +178,7 @@ def check_lookups(table, x, sf, seed, T, E, modes=("fill", "clip", "checked"), l
 
 
 def new_table(N, H, dt, placement, packs=0, sf_dtype=np.float32, c=None, config=None):
-    return je.EngramTable(c or ctx, N, H, dt, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype,
+    return je.EngramTable(N, H, dt, ctx=c or ctx, placement=placement, num_sf_packs=packs, sf_dtype=sf_dtype,
                           config=config or CONFIG)
 
 
@@ -584,11 +584,11 @@ def _():
     _raises(lambda: in_sm(lambda i: t.lookup(i, mode="wrap")[0], ids), ValueError, "mode")
     _raises(lambda: in_sm(lambda i: t8.lookup(i, sf_layout="col")[0], ids), ValueError, "sf_layout")
     _raises(lambda: in_sm(lambda i: t.lookup(i)[0], ids.astype(jnp.float32)), TypeError, "indices")
-    _raises(lambda: in_sm(lambda i: t.lookup(i)[0], jnp.zeros((6,), jnp.int32)), ValueError, "indices", "[T, E]")
+    _raises(lambda: in_sm(lambda i: t.lookup(i)[0], jnp.zeros((6,), jnp.int32)), ValueError, "indices", "[num_tokens, ids_per_token]")
     _raises(lambda: in_sm(lambda i: t.wait(i), ids), TypeError, "EngramPending")
     _raises(lambda: t.lookup(ids), ValueError, "shard_map")
     _raises(lambda: t.write_global(np.zeros((R * 16 + 1, 64), BF16)), ValueError, "whole table")
-    _raises(lambda: t.lookup_global(np.zeros((5,), np.int32)), ValueError, "[T, E]")
+    _raises(lambda: t.lookup_global(np.zeros((5,), np.int32)), ValueError, "[num_tokens, ids_per_token]")
 
 
 @case("handler_validation", ("full", "core", "quick"))

@@ -216,14 +216,15 @@ def run_case(ctx, c: Case):
     biases = [rng.standard_normal((R, N, H)).astype(np.float32).astype(jnp.bfloat16) for _ in range(c.nbias)]
 
     kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=c.expand, expert_alignment=c.A,
-              zero_padding=c.zp, deterministic=c.det, num_sms=c.sms or None)
+              zero_padding=c.zp, num_sms=c.sms or None)  # c.det: the order is canonical (no flag)
 
     def body(x, x2, idx, w, w2, sf, sf2, y, cw, *bs):
         d = ep.dispatch(x[0], idx[0], w[0] if c.weights else None, x_scales=None if sf is None else sf[0], **kw)
         cd = ep.dispatch(x2[0], None, w2[0] if c.weights else None, x_scales=None if sf2 is None else sf2[0],
                          handle=d.handle, token=d.token, **kw)
-        cx, cwo = ep.combine(y[0], cd.handle, topk_weights=cw[0] if c.weights else None,
-                             bias=tuple(b[0] for b in bs) or None)
+        cr = ep.combine(y[0], cd.handle, topk_weights=cw[0] if c.weights else None,
+                        bias=tuple(b[0] for b in bs) or None)
+        cx, cwo = cr.combined_x, cr.combined_topk_weights
         h = d.handle
         out = dict(recv_x=d.recv_x, num_recv=d.num_recv_tokens, group_sizes=d.group_sizes,
                    psum_rank=h.psum_num_recv_tokens_per_rank, psum_expert=h.psum_num_recv_tokens_per_expert,
@@ -386,7 +387,7 @@ def _cache_check(ctx):
         traces.append(1)
         d = ep.dispatch(x[0], idx[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=True,
                         expert_alignment=8, zero_padding=True)
-        cx, _ = ep.combine(d.recv_x, d.handle)
+        cx = ep.combine(d.recv_x, d.handle).combined_x
         return d.num_recv_tokens[None], cx[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
@@ -421,7 +422,7 @@ def _after_close_check():
 
     def body(x, i):
         d = ep.dispatch(x[0], i[0], ctx=c2, num_experts=E, max_tokens_per_rank=M)
-        y, _ = ep.combine(d.recv_x, d.handle)
+        y = ep.combine(d.recv_x, d.handle).combined_x
         return y[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
@@ -462,9 +463,10 @@ def _lanes_check(ctx):
             db = ep.dispatch(xb, ib, token=tok, **kb)
             ds = ep.dispatch(xs, i_s, token=db.token, **ks)
             dc = ep.dispatch(xs * 2, handle=ds.handle, token=ds.token, **ks)
-            cb, _, tok = ep.combine(db.recv_x, db.handle, token=dc.token, return_token=True)
-            c1, _, tok = ep.combine(ds.recv_x, ds.handle, token=tok, return_token=True)
-            c2, _, tok = ep.combine(dc.recv_x, ds.handle, token=tok, return_token=True)
+            rb = ep.combine(db.recv_x, db.handle, token=dc.token)
+            r1 = ep.combine(ds.recv_x, ds.handle, token=rb.token)
+            r2 = ep.combine(dc.recv_x, ds.handle, token=r1.token)
+            cb, c1, c2, tok = rb.combined_x, r1.combined_x, r2.combined_x, r2.token
             return tok, ob.at[i].set(cb), os1.at[i].set(c1), os2.at[i].set(c2)
 
         def z(shape, dtype):  # varying along "ep", like the ops' outputs
@@ -585,12 +587,12 @@ def suite_errors(_ctx_unused):
                                [((M, H), bf), ((M, 33), i32)], ["top-k", "32"]),
             "val_weights_shape": (lambda x, i: ep.dispatch(x, i, jnp.zeros((M, K + 1), jnp.float32), **kw).recv_x[None],
                                   [((M, H), bf), ((M, K), i32)], ["topk_weights", "[N, K]"]),
-            "val_combine_rows": (lambda x, i: ep.combine(x, ep.dispatch(x, i, **kw).handle)[0][None],
+            "val_combine_rows": (lambda x, i: ep.combine(x, ep.dispatch(x, i, **kw).handle).combined_x[None],
                                  [((M, H), bf), ((M, K), i32)], ["y must be", str(R * M)]),
-            "val_combine_handle": (lambda x, i: ep.combine(x, None)[0][None], [((M, H), bf), ((M, K), i32)],
+            "val_combine_handle": (lambda x, i: ep.combine(x, None).combined_x[None], [((M, H), bf), ((M, K), i32)],
                                    ["handle", "EPHandle"]),
             "val_combine_bias": (lambda x, i: ep.combine(jnp.zeros((R * M, H), bf), ep.dispatch(x, i, **kw).handle,
-                                                         bias=jnp.zeros((M, H + 1), bf))[0][None],
+                                                         bias=jnp.zeros((M, H + 1), bf)).combined_x[None],
                                  [((M, H), bf), ((M, K), i32)], ["bias[0]", "[N, H]"]),
             "val_cached_config": (lambda x, i: ep.dispatch(x, None, handle=ep.dispatch(x, i, **kw).handle,
                                                            **{**kw, "expand": True}).recv_x[None],
@@ -626,7 +628,7 @@ def suite_errors(_ctx_unused):
             c = ep.dispatch(x[0], None, handle=d.handle, **kw)
             if target.startswith("jax_engram_ep_dispatch_cached"):  # its bad result would fail combine's own trace-time check
                 return c.recv_x[None]
-            y, _ = ep.combine(c.recv_x, d.handle)
+            y = ep.combine(c.recv_x, d.handle).combined_x
             return y[None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
@@ -687,7 +689,8 @@ def suite_grad_nonexpand(ctx):
             local_k = (d.recv_topk_idx >= 0) & valid
             rw = jnp.where(local_k, d.recv_topk_weights, 0.0)
             y = (jnp.where(valid, d.recv_x, 0.0) * (1.0 + rw.sum(-1, keepdims=True))).astype(jnp.bfloat16)
-            cx, cw = ep.combine(y, d.handle, topk_weights=rw * 2.0, bias=b[0])
+            cr = ep.combine(y, d.handle, topk_weights=rw * 2.0, bias=b[0])
+            cx, cw = cr.combined_x, cr.combined_topk_weights
             loss = (jnp.sum(jnp.where(valid, d.recv_x, 0.0) * g1[0]) + jnp.sum(cx.astype(jnp.float32) * g2[0])
                     + jnp.sum(rw * g3[0]) + jnp.sum(cw * g4[0]))
             return loss[None]

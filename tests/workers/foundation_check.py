@@ -69,14 +69,14 @@ mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 def t_barrier_and_ring():
     with je.init(mesh, "x", timeout_s=60.0) as ctx:
-        bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
+        bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
         for _ in range(5):
             bar().block_until_ready()
         x, full = global_blocks(mesh, "x", 16)
         want = np.roll(full.reshape(n, 16), 1, axis=0).reshape(-1)  # rank r gets rank r-1's block
         ok = True
         for placement in ("device", "host"):
-            f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx, placement=p), mesh=mesh,
+            f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx=ctx, placement=p), mesh=mesh,
                                       in_specs=P("x"), out_specs=P("x")))
             for rep in range(3):  # repeated calls: the leading barrier protects readers of the previous call
                 y = f(x + rep)
@@ -92,7 +92,7 @@ def t_reservations():
         want = np.roll(full.reshape(n, 1024), 1, axis=0).reshape(-1)
         ok = True
         for placement in ("device", "host"):
-            f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx, placement=p), mesh=mesh,
+            f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx=ctx, placement=p), mesh=mesh,
                                       in_specs=P("x"), out_specs=P("x")))
             ok &= local_equal(f(x), want)
         try:
@@ -114,9 +114,9 @@ def t_two_contexts():
         na, nb = 2, n // 2
         full = np.arange(n * 4, dtype=np.float32).reshape(na, nb, 4)
         xs = jax.make_array_from_callback(full.shape, NamedSharding(m2, P("a", "b")), lambda idx: full[idx])
-        fa = jax.jit(jax.shard_map(lambda v: je.ring_exchange(v, ca), mesh=m2, in_specs=P("a", "b"),
+        fa = jax.jit(jax.shard_map(lambda v: je.ring_exchange(v, ctx=ca), mesh=m2, in_specs=P("a", "b"),
                                    out_specs=P("a", "b")))
-        fb = jax.jit(jax.shard_map(lambda v: je.ring_exchange(v, cb), mesh=m2, in_specs=P("a", "b"),
+        fb = jax.jit(jax.shard_map(lambda v: je.ring_exchange(v, ctx=cb), mesh=m2, in_specs=P("a", "b"),
                                    out_specs=P("a", "b")))
         ok = local_equal(fa(xs), np.roll(full, 1, axis=0)) and local_equal(fb(xs), np.roll(full, 1, axis=1))
         return ok, ""
@@ -142,7 +142,7 @@ def t_init_close_cycles():
     for i in range(args.cycles):
         ctx = je.init(mesh, "x", device_bytes=2 << 20, host_bytes=2 << 20, timeout_s=60.0)
         if i % 5 == 0:
-            bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
+            bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
             bar().block_until_ready()
         ctx.close()
     fd1, maps1 = _fd_count(), _engram_maps()
@@ -166,14 +166,14 @@ def t_bad_arguments():
     ctx = je.init(mesh, "x", timeout_s=60.0)
     try:
         try:  # outside shard_map
-            jax.jit(lambda: je.barrier(ctx))()
+            jax.jit(lambda: je.barrier(ctx=ctx))()
             msgs.append("barrier outside shard_map did not raise")
         except ValueError as e:
             if "shard_map" not in str(e):
                 msgs.append(f"outside-shard_map message: {e}")
         try:
-            jax.jit(lambda a: je.ring_exchange(a, ctx, placement="disk"))  # traced lazily below
-            jax.jit(jax.shard_map(lambda a: je.ring_exchange(a, ctx, placement="disk"), mesh=mesh,
+            jax.jit(lambda a: je.ring_exchange(a, ctx=ctx, placement="disk"))  # traced lazily below
+            jax.jit(jax.shard_map(lambda a: je.ring_exchange(a, ctx=ctx, placement="disk"), mesh=mesh,
                                   in_specs=P("x"), out_specs=P("x"))).lower(
                 jax.ShapeDtypeStruct((n * 4,), jnp.float32, sharding=NamedSharding(mesh, P("x"))))
             msgs.append("bad placement accepted")
@@ -183,7 +183,7 @@ def t_bad_arguments():
     finally:
         ctx.close()
     try:
-        jax.jit(jax.shard_map(lambda: je.barrier(ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))()
+        jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))()
         msgs.append("closed context accepted")
     except RuntimeError as e:
         if "closed" not in str(e):
@@ -224,7 +224,7 @@ def t_timeout_names_peer():
 
 def t_new_context_after_failure():
     with je.init(mesh, "x", timeout_s=60.0) as ctx:
-        bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
+        bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
         bar().block_until_ready()
         ctx.check()
         return True, ""

@@ -146,7 +146,7 @@ def check_barrier():
     def body(t):
         tok = t[0]
         for _ in range(K):
-            tok = jax_engram.barrier(ctx, tok)
+            tok = jax_engram.barrier(ctx=ctx, token=tok)
         return tok.reshape(1)
 
     f = smap(body)
@@ -167,7 +167,7 @@ def check_barrier():
 
 # ------------------------------------------------------------------------------------------ ring_exchange
 def ring_case(c, placement: str, block: int, dtype, reps: int) -> tuple[bool, str]:
-    f = smap(lambda xb: jax_engram.ring_exchange(xb, c, placement=placement))
+    f = smap(lambda xb: jax_engram.ring_exchange(xb, ctx=c, placement=placement))
     for it in range(reps):
         host = (np.arange(N * block) % 1000 + 1000 * it).astype(dtype)
         y = f(global_array(host))
@@ -222,7 +222,7 @@ def check_timeout():
             record("timeout", True, "(process 0 checks)")
             return
         x = global_array(np.zeros(N, dtype=np.int32))
-        f = smap(lambda t: jax_engram.barrier(c3, t[0]).reshape(1))
+        f = smap(lambda t: jax_engram.barrier(ctx=c3, token=t[0]).reshape(1))
         t1 = time.time()
         f(x).block_until_ready()
         waited = time.time() - t1
@@ -255,7 +255,7 @@ if NPROC > 1:
 def check_lifecycle():
     def cycle():
         c = jax_engram.init(mesh, "ep", device_bytes=64 << 20, host_bytes=64 << 20, timeout_s=60.0)
-        g = smap(lambda xb: jax_engram.ring_exchange(xb, c, placement="host"))
+        g = smap(lambda xb: jax_engram.ring_exchange(xb, ctx=c, placement="host"))
         g(global_array(np.arange(N * 8, dtype=np.float32))).block_until_ready()
         c.check()
         c.close()

@@ -93,7 +93,7 @@ def cycle(i: int) -> dict:
             topo = ctx.nccl_topology()
             assert topo and all(v["nranks"] == R for v in topo.values()), topo
             nccl_info.append({k: topo[min(topo)].get(k) for k in ("window_registered", "devcomm", "lsa_size")})
-        t = je.EngramTable(ctx, 8, 16, jnp.bfloat16, placement="host" if i % 2 else "device")
+        t = je.EngramTable(8, 16, jnp.bfloat16, ctx=ctx, placement="host" if i % 2 else "device")
         x = np.arange(R * 8 * 16, dtype=np.float32).reshape(R * 8, 16).astype(jnp.bfloat16)
         t.write_global(x)
         data, _ = t.lookup_global(np.array([[0, R * 8 - 1]], np.int32), mode="checked")
@@ -105,7 +105,7 @@ def cycle(i: int) -> dict:
 
         def body(xs, idx):
             d = ep.dispatch(xs[0], idx[0], ctx=ctx, num_experts=2 * R, max_tokens_per_rank=4)
-            cx, _ = ep.combine(d.recv_x, d.handle)
+            cx = ep.combine(d.recv_x, d.handle).combined_x
             return cx[None]
 
         sh = NamedSharding(mesh, P(AX))

@@ -55,7 +55,7 @@ def bits(a):
 
 
 N, H, E, T = 16, 32, 3, 4
-table = je.EngramTable(ctx, N, H, jnp.bfloat16, placement="device")
+table = je.EngramTable(N, H, jnp.bfloat16, ctx=ctx, placement="device")
 rng = np.random.default_rng(0)
 x = rng.standard_normal((R * N, H)).astype(np.float32).astype(jnp.bfloat16)
 table.write_global(x)
@@ -135,7 +135,7 @@ def ep_validate_routing():
 
     def body(x, idx):
         d = ep.dispatch(x[0], idx[0], ctx=ctx, num_experts=NE, max_tokens_per_rank=M, validate_routing=True)
-        cx, _ = ep.combine(d.recv_x.astype(jnp.bfloat16), d.handle)
+        cx = ep.combine(d.recv_x.astype(jnp.bfloat16), d.handle).combined_x
         return d.num_recv_tokens[None], cx[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))

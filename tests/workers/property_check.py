@@ -138,7 +138,7 @@ def ep_fn(fam: EpFamily):
 
         def body(x, idx, w, sf, y):
             d = ep.dispatch(x[0], idx[0], w[0] if fam.weights else None, x_scales=sf[0] if fam.P else None, **kw)
-            cx, _ = ep.combine(y[0], d.handle)
+            cx = ep.combine(y[0], d.handle).combined_x
             h = d.handle
             out = dict(recv_x=d.recv_x, num_recv=d.num_recv_tokens, group_sizes=d.group_sizes,
                        psum_rank=h.psum_num_recv_tokens_per_rank, psum_expert=h.psum_num_recv_tokens_per_expert,
@@ -228,7 +228,7 @@ _tables: dict = {}
 def engram_setup(fam):
     if fam not in _tables:
         N, H, dt, T, E, packs, layout, mode = fam
-        t = je.EngramTable(ctx, N, H, np.dtype(dt), placement="host" if len(_tables) % 2 else "device",
+        t = je.EngramTable(N, H, np.dtype(dt), ctx=ctx, placement="host" if len(_tables) % 2 else "device",
                            num_sf_packs=packs)
         rng = np.random.default_rng(len(_tables))
         x = values(rng, (R * N, H), dt)

@@ -179,7 +179,7 @@ def _ref_lookup(shards, ids, *, mode="fill", sf_table=None, sf_layout="row"):
 
 def engram_case(dt, placement, packs, T, E, modes=("fill", "clip"), layouts=("row",), N=24, H=32, seed=0):
     rng = np.random.default_rng(seed)
-    t = je.EngramTable(ctx, N, H, dt, placement=placement, num_sf_packs=packs)
+    t = je.EngramTable(N, H, dt, ctx=ctx, placement=placement, num_sf_packs=packs)
     x = random_bits(rng, (R * N, H), dt)
     sf = random_bits(rng, (R * N, packs), np.float32) if packs else None
     t.write_global(x, sf)
@@ -211,7 +211,7 @@ if "engram" in args.suite:
     def _():
         N, H = 16, 8
         rng = np.random.default_rng(1)
-        t = je.EngramTable(ctx, N, H, F32, placement="device")
+        t = je.EngramTable(N, H, F32, ctx=ctx, placement="device")
         x = random_bits(rng, (R * N, H), F32)
         ids = make_ids(rng, R * 4, 2, t.total_entries)
 
@@ -234,7 +234,7 @@ if "engram" in args.suite:
     def _():
         N, H = 16, 8
         rng = np.random.default_rng(2)
-        t = je.EngramTable(ctx, N, H, BF16, placement="host")
+        t = je.EngramTable(N, H, BF16, ctx=ctx, placement="host")
         x = random_bits(rng, (R * N, H), BF16)
         t.write_global(x)
         ids = make_ids(rng, 7, 3, t.total_entries)

@@ -1,0 +1,367 @@
+"""Functional layers on jax_engram's ops: an Engram memory (hashed n-gram lookup + gated add) and an
+expert-parallel MoE (router, top-k, expand dispatch, expert GEMMs with ``jax.lax.ragged_dot``, combine).
+
+Two levels:
+
+* Global (call on global arrays, inside or outside ``jax.jit``; each opens its own ``jax.shard_map`` over the
+  context's mesh axis): :func:`engram_layer`, :func:`moe_layer`.
+* Per rank (call inside your own ``shard_map`` over ``ctx.axis_name``, local shapes): :func:`engram_local`,
+  :func:`moe_local` and their pieces (:func:`engram_ids`, :func:`engram_gate_add`, :func:`route`,
+  :func:`moe_experts`).
+
+Pure-JAX twins on the global view (:func:`engram_layer_reference`, :func:`moe_layer_reference`) run the same
+math on :mod:`jax_engram.reference`, for checks.
+
+Engram (as in DeepSeek's Engram): for every token t and every n-gram order n (default 2 and 3) the ids of
+tokens t-n+1..t are hashed by ``heads_per_order`` independent hash heads; every (order, head) pair is one
+"head" with its own buckets of one table row each. Head h's bucket b is global row ``b * num_heads + h``
+(interleaved, so every head's rows are spread over all ranks of the table). Positions with fewer than n
+tokens before them read nothing (id -1: a zero row). The rows of a token's heads, concatenated, form its
+memory vector m [num_heads * memory_dim]; with key k = m W_key and value v = m W_value (both [.., hidden]),
+the layer returns ``hidden + sigmoid(<rms(hidden), rms(k)> / sqrt(hidden)) * v``.
+
+MoE: softmax router, top-k, weights renormalised over the top-k; expand dispatch (rows grouped per local
+expert, ``expert_alignment`` per segment), ``act(x W_up[e]) W_down[e]`` per segment with
+``jax.lax.ragged_dot``, rows scaled by their routing weight, combine (an unweighted sum). Gradients flow to
+x, the router and the experts (dispatch and combine are differentiable). Expert weights are sharded over the
+EP axis: ``w_up`` [num_experts, hidden, ffn] and ``w_down`` [num_experts, ffn, hidden], rank r holding experts
+``r*E_loc .. (r+1)*E_loc - 1``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Literal, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_engram import ep as _ep
+from jax_engram.context import Context
+from jax_engram.engram import EngramTable
+
+__all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
+           "engram_layer_reference", "route", "moe_experts", "moe_local", "moe_layer", "moe_layer_reference",
+           "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
+
+Params = Mapping[str, jax.Array]
+Activation = Callable[[jax.Array], jax.Array]
+EngramMode = Literal["fill", "clip", "checked"]
+
+
+# ---------------------------------------------------------------------------------------------- Engram
+@dataclasses.dataclass(frozen=True)
+class EngramHashing:
+    """How token n-grams become global table ids.
+
+    orders: the n-gram orders (default 2- and 3-grams). heads_per_order: independent hash heads per order.
+    seed: mixes every hash (two layers with different seeds read different rows for the same n-gram).
+    """
+
+    orders: tuple[int, ...] = (2, 3)
+    heads_per_order: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.orders or any(int(n) < 1 for n in self.orders):
+            raise ValueError(f"EngramHashing: orders must be positive n-gram orders, got {self.orders!r}")
+        if self.heads_per_order < 1:
+            raise ValueError(f"EngramHashing: heads_per_order must be >= 1, got {self.heads_per_order}")
+        object.__setattr__(self, "orders", tuple(int(n) for n in self.orders))
+
+    @property
+    def num_heads(self) -> int:
+        """Ids per token: one per (order, hash head)."""
+        return len(self.orders) * self.heads_per_order
+
+    def buckets_per_head(self, total_entries: int) -> int:
+        """Rows each head can address in a table of ``total_entries`` rows."""
+        b = total_entries // self.num_heads
+        if b < 1:
+            raise ValueError(f"EngramHashing: a table of {total_entries} rows is too small for {self.num_heads} heads")
+        return b
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser (uint32 in, uint32 out, wrapping arithmetic)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def engram_ids(token_ids: jax.Array, *, hashing: EngramHashing, total_entries: int) -> jax.Array:
+    """Global table ids of every token's hashed n-grams.
+
+    token_ids: int [B, S] (sequences along the last axis; any integer dtype). Returns int32
+    [B, S, hashing.num_heads], order-major (all heads of orders[0] first); -1 where a position has fewer than
+    n-1 tokens before it in its sequence (padding: a zero row).
+    """
+    token_ids = jnp.asarray(token_ids)
+    if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"engram_ids: token_ids must be integer [batch, seq], got {token_ids.dtype} "
+                         f"{token_ids.shape}")
+    B, S = token_ids.shape
+    buckets = hashing.buckets_per_head(total_entries)
+    tok = token_ids.astype(jnp.uint32)
+    pos = jnp.arange(S)
+    out = []
+    head = 0
+    for n in hashing.orders:
+        # shifted[i][:, t] = token t - i (garbage where t < i: masked below)
+        shifted = [tok] + [jnp.roll(tok, i, axis=1) for i in range(1, n)]
+        for j in range(hashing.heads_per_order):
+            salt = (hashing.seed * 0x9E3779B1 + n * 0x85EBCA77 + j * 0xC2B2AE3D + 1) & 0xFFFFFFFF
+            h = jnp.full((B, S), salt, jnp.uint32)
+            for i, t_i in enumerate(shifted):
+                h = _mix32(h ^ (t_i + jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)))
+            gid = (h % jnp.uint32(buckets)).astype(jnp.int32) * hashing.num_heads + head
+            out.append(jnp.where(pos[None, :] >= n - 1, gid, -1))
+            head += 1
+    return jnp.stack(out, axis=-1)
+
+
+def _rms(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def engram_gate_add(params: Params, hidden: jax.Array, memory: jax.Array) -> jax.Array:
+    """The gated add: ``hidden + sigmoid(<rms(hidden), rms(m W_key)> / sqrt(H)) * (m W_value)`` (f32 math).
+
+    params: ``w_key``, ``w_value`` float [M, H]. hidden [..., H]; memory [..., M] (M = num_heads*memory_dim).
+    Returns [..., H] of hidden's dtype.
+    """
+    h = hidden.astype(jnp.float32)
+    m = memory.astype(jnp.float32)
+    k = m @ params["w_key"].astype(jnp.float32)
+    v = m @ params["w_value"].astype(jnp.float32)
+    gate = jax.nn.sigmoid(jnp.sum(_rms(h) * _rms(k), axis=-1, keepdims=True) / math.sqrt(h.shape[-1]))
+    return (h + gate * v).astype(hidden.dtype)
+
+
+def engram_local(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table: EngramTable,
+                 hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill",
+                 token: Optional[jax.Array] = None) -> jax.Array:
+    """Per-rank Engram layer (inside ``shard_map`` over ``table.ctx``'s axis).
+
+    hidden [B, S, H] (this rank's sequences), token_ids int [B, S]. Returns [B, S, H] of hidden's dtype.
+    ``token``: orders the lookup after another jax_engram op (e.g. a ``table.write`` in the same program).
+    """
+    B, S, H = hidden.shape
+    ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
+    data, _ = table.lookup(ids.reshape(B * S, hashing.num_heads), token, mode=mode)
+    return engram_gate_add(params, hidden, data.reshape(B, S, -1))
+
+
+def _axis(ctx) -> Any:
+    return ctx.axis_name
+
+
+def _batch_spec(ctx) -> P:
+    """Tokens are sharded along the batch over every mesh axis, the context's last: each EP group (one per
+    position on the other axes, e.g. data-parallel replicas) gets its own slice of the batch."""
+    ax = ctx.axis_name
+    own = tuple(ax) if isinstance(ax, (tuple, list)) else (ax,)
+    others = tuple(a for a in ctx.mesh.axis_names if a not in own)
+    axes = others + own
+    return P(axes if len(axes) > 1 else axes[0])
+
+
+def engram_layer(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table: EngramTable,
+                 hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill") -> jax.Array:
+    """Engram layer on global arrays: hidden [B, S, H] and token_ids int [B, S], both sharded (or shardable)
+    along B over the mesh (the context's axis last; B a multiple of the mesh's devices); params ``w_key`` / ``w_value``
+    [num_heads*table.hidden, H] replicated. Returns hidden after the gated add, [B, S, H], sharded like it.
+    Differentiable in params and hidden (the table is memory, not a parameter: no gradient reaches it)."""
+    return _engram_fn(table, hashing, mode, tuple(params))(dict(params), hidden, token_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _engram_fn(table: EngramTable, hashing: EngramHashing, mode: str, keys: tuple[str, ...]):
+    # jit around the shard_map: inlined under an outer jit, and an eager call runs one compiled program (op by op,
+    # the fetch/wait pair would be compiled apart). Cached so that eager calls do not retrace.
+    ctx = table.ctx
+    bs = _batch_spec(ctx)
+
+    def body(p, h, t):
+        return engram_local(p, h, t, table=table, hashing=hashing, mode=mode)  # type: ignore[arg-type]
+
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=({k: P() for k in keys}, bs, bs), out_specs=bs))
+
+
+def engram_layer_reference(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table_rows: jax.Array,
+                           num_ranks: int, hashing: EngramHashing = EngramHashing()) -> jax.Array:
+    """Global-view pure-JAX twin of :func:`engram_layer` (the lookup by :func:`jax_engram.reference.engram_lookup`).
+
+    table_rows: the whole table [num_ranks*num_entries, memory_dim] as written. Shapes as :func:`engram_layer`.
+    """
+    from jax_engram import reference as ref
+
+    B, S, H = hidden.shape
+    total, d = table_rows.shape
+    ids = engram_ids(token_ids, hashing=hashing, total_entries=total)
+    data, _ = ref.engram_lookup(jnp.asarray(table_rows).reshape(num_ranks, total // num_ranks, d),
+                                ids.reshape(B * S, hashing.num_heads))
+    return engram_gate_add(params, hidden, data.reshape(B, S, -1))
+
+
+# ------------------------------------------------------------------------------------------------- MoE
+def route(router: jax.Array, x: jax.Array, top_k: int, num_tokens: Optional[jax.Array] = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """Softmax router, top-k, weights renormalised over the top-k.
+
+    router [H, num_experts]; x [..., N, H]. Returns ``(topk_idx int32 [..., N, top_k], topk_weights float32
+    [..., N, top_k])``; tokens at positions >= num_tokens (padding; int32 [...] or None) route nowhere (-1, 0).
+    """
+    probs = jax.nn.softmax(x.astype(jnp.float32) @ router.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    if num_tokens is not None:
+        real = (jnp.arange(x.shape[-2]) < jnp.asarray(num_tokens)[..., None])[..., None]
+        idx = jnp.where(real, idx, -1)
+        w = jnp.where(real, w, 0.0)
+    return idx.astype(jnp.int32), w
+
+
+def moe_experts(recv_x: jax.Array, w_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
+                activation: Activation = jax.nn.gelu) -> jax.Array:
+    """The local experts on an expand layout: ``act(x @ w_up[e]) @ w_down[e]`` per segment (f32 math).
+
+    recv_x [rows, H]; w_up [E_loc, H, F]; w_down [E_loc, F, H]; group_sizes int32 [E_loc] (rows per expert,
+    alignment included; rows past their sum are left unspecified by ragged_dot). Returns float32 [rows, H].
+    """
+    h = jax.lax.ragged_dot(recv_x.astype(jnp.float32), w_up.astype(jnp.float32), group_sizes)
+    return jax.lax.ragged_dot(activation(h), w_down.astype(jnp.float32), group_sizes)
+
+
+def moe_local(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_alignment: int = 8,
+              activation: Activation = jax.nn.gelu, max_tokens_per_rank: Optional[int] = None,
+              num_tokens: Optional[jax.Array] = None, token: Optional[jax.Array] = None) -> jax.Array:
+    """Per-rank MoE layer (inside ``shard_map`` over ``ctx``'s axis).
+
+    params: ``router`` [H, num_experts] (replicated), ``w_up`` [E_loc, H, F], ``w_down`` [E_loc, F, H] (this
+    rank's experts). x [N, H] (bf16, f16 or f32; the combine runs in x's dtype, so use bf16 on GPUs).
+    max_tokens_per_rank: static bound (default N). num_tokens: real tokens (int32 [], the rest is padding).
+    Returns [N, H] of x's dtype.
+    """
+    num_experts = params["router"].shape[-1]
+    idx, w = route(params["router"], x, top_k, num_tokens)
+    res = _ep.dispatch(x, idx, w, ctx=ctx, num_experts=num_experts,
+                       max_tokens_per_rank=x.shape[0] if max_tokens_per_rank is None else max_tokens_per_rank,
+                       expand=True, expert_alignment=expert_alignment, zero_padding=True, token=token)
+    y = moe_experts(res.recv_x, params["w_up"], params["w_down"], res.group_sizes, activation=activation)
+    y = y * res.recv_topk_weights[:, None]  # combine is an unweighted sum: the routing weights apply here
+    return _ep.combine(y.astype(x.dtype), res.handle).combined_x
+
+
+_MOE_SPECS = {"router": P(), "w_up": "ep", "w_down": "ep"}
+
+
+def _moe_specs(params: Params, ax) -> dict:
+    return {k: (P(ax) if _MOE_SPECS.get(k) == "ep" else P()) for k in params}
+
+
+def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_alignment: int = 8,
+              activation: Activation = jax.nn.gelu) -> jax.Array:
+    """Expert-parallel MoE layer on global arrays.
+
+    params: ``router`` [H, num_experts] replicated, ``w_up`` [num_experts, H, F] and ``w_down``
+    [num_experts, F, H] sharded along the expert axis over ``ctx``'s axis (replicated over the mesh's other
+    axes). x [B, ..., H] sharded (or shardable) along B over the mesh, the context's axis last (B a multiple of
+    the mesh's devices: every EP group gets its own slice). Returns [B, ..., H] of x's dtype,
+    sharded like x. Differentiable in params and x.
+    """
+    return _moe_fn(ctx, top_k, expert_alignment, activation, tuple(params))(dict(params), x)
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_fn(ctx: Context, top_k: int, expert_alignment: int, activation: Activation, keys: tuple[str, ...]):
+    ax = _axis(ctx)
+
+    def body(p, xl):
+        shape = xl.shape
+        out = moe_local(p, xl.reshape(-1, shape[-1]), ctx=ctx, top_k=top_k, expert_alignment=expert_alignment,
+                        activation=activation)
+        return out.reshape(shape)
+
+    specs = {k: (P(ax) if _MOE_SPECS.get(k) == "ep" else P()) for k in keys}
+    bs = _batch_spec(ctx)
+    return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=(specs, bs), out_specs=bs))
+
+
+def moe_layer_reference(params: Params, x: jax.Array, *, num_ranks: int, top_k: int, expert_alignment: int = 8,
+                        activation: Activation = jax.nn.gelu) -> jax.Array:
+    """Global-view pure-JAX twin of :func:`moe_layer`. bfloat16 x: on :mod:`jax_engram.reference` (same
+    numerics: the same dispatch layout, f32 GEMMs, bf16 combine sums). Other dtypes: the textbook dense
+    definition ``out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t])`` (f32 math; equal up to summation order).
+    Shapes as :func:`moe_layer` (params global)."""
+    from jax_engram import reference as ref
+
+    shape = x.shape
+    R, H = num_ranks, shape[-1]
+    xr = x.reshape(R, -1, H)
+    M = xr.shape[1]
+    num_experts = params["router"].shape[-1]
+    E_loc = num_experts // R
+    idx, w = route(params["router"], xr, top_k)
+    if x.dtype != jnp.bfloat16:
+        xf = xr.astype(jnp.float32)
+        h = activation(jnp.einsum("rnh,ehf->rnef", xf, params["w_up"].astype(jnp.float32)))
+        y = jnp.einsum("rnef,efh->rneh", h, params["w_down"].astype(jnp.float32))  # every expert, every token
+        sel = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [R, N, K, E]
+        return jnp.einsum("rnke,rnk,rneh->rnh", sel, w, y).astype(x.dtype).reshape(shape)
+    d = ref.ep_dispatch(xr, idx, w, num_experts=num_experts, max_tokens_per_rank=M, expand=True,
+                        expert_alignment=expert_alignment, zero_padding=True)
+    w_up = params["w_up"].reshape((R, E_loc) + params["w_up"].shape[1:])
+    w_down = params["w_down"].reshape((R, E_loc) + params["w_down"].shape[1:])
+    y = jax.vmap(lambda a, b, c, g: moe_experts(a, b, c, g, activation=activation))(
+        d["recv_x"], w_up, w_down, d["group_sizes"])
+    y = y * d["recv_topk_weights"][..., None]
+    out, _ = ref.ep_combine(y.astype(x.dtype), d, idx, num_experts=num_experts, max_tokens_per_rank=M,
+                            expand=True)
+    return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------- parameters
+def init_moe_params(key: jax.Array, *, hidden: int, ffn: int, num_experts: int,
+                    dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    """Global MoE parameters (host-side values; place them with :func:`put_global`): ``router``
+    [hidden, num_experts], ``w_up`` [num_experts, hidden, ffn], ``w_down`` [num_experts, ffn, hidden]."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "router": (jax.random.normal(k1, (hidden, num_experts)) / math.sqrt(hidden)).astype(dtype),
+        "w_up": (jax.random.normal(k2, (num_experts, hidden, ffn)) / math.sqrt(hidden)).astype(dtype),
+        "w_down": (jax.random.normal(k3, (num_experts, ffn, hidden)) / math.sqrt(ffn)).astype(dtype),
+    }
+
+
+def init_engram_params(key: jax.Array, *, hidden: int, memory_dim: int, num_heads: int,
+                       dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    """Engram gate parameters: ``w_key``, ``w_value`` [num_heads*memory_dim, hidden]."""
+    k1, k2 = jax.random.split(key)
+    m = num_heads * memory_dim
+    return {"w_key": (jax.random.normal(k1, (m, hidden)) / math.sqrt(m)).astype(dtype),
+            "w_value": (jax.random.normal(k2, (m, hidden)) / math.sqrt(m)).astype(dtype)}
+
+
+def put_global(a: Any, ctx: Context, spec: P) -> jax.Array:
+    """A host value that every process holds in full -> a global jax.Array on ``ctx.mesh`` with ``spec``
+    (works with several processes, where ``jax.device_put`` of a host array cannot address remote devices)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return a
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(ctx.mesh, spec), lambda idx: a[idx])
+
+
+def batch_spec(ctx: Context) -> P:
+    """The PartitionSpec of the batch axis the global layers expect: every mesh axis, the context's last."""
+    return _batch_spec(ctx)
+
+
+def moe_param_specs(params: Params, ctx: Context) -> dict[str, P]:
+    """The PartitionSpecs :func:`moe_layer` expects: experts over ``ctx``'s axis, the router replicated."""
+    return _moe_specs(params, _axis(ctx))

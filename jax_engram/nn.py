@@ -1,0 +1,136 @@
+"""Flax NNX modules on jax_engram (``pip install jax-engram[nn]``): :class:`EngramMemory` and :class:`MoE`.
+
+Both are called on global arrays (tokens sharded along the batch axis over the context's mesh axis) and open
+their own ``shard_map`` inside: drop them into a model as any other NNX layer::
+
+    ctx = jax_engram.init(mesh, "ep")
+    mem = EngramMemory(hidden=512, ctx=ctx, memory_dim=64, buckets_per_head=1 << 16, rngs=nnx.Rngs(0))
+    moe = MoE(hidden=512, ffn=1024, num_experts=4 * ctx.num_ranks, top_k=2, ctx=ctx, rngs=nnx.Rngs(1))
+    h = mem(x, token_ids)           # x [B, S, 512], token_ids int [B, S]; B a multiple of the ranks
+    y = h + moe(h)
+
+Gradients flow to x and to every ``nnx.Param``: the router and the Engram gate projections are replicated,
+the experts' ``w_up`` / ``w_down`` are sharded over the EP axis (rank r holds experts r*E_loc..). The Engram
+table is memory, not a parameter: it lives in jax_engram's symmetric windows (``placement="host"``: host
+memory, ``"device"``: HBM), is written at construction (or with :meth:`EngramMemory.write_table`) and is
+read by id; no gradient reaches it. Construct modules eagerly (not under ``nnx.eval_shape``): the table is a
+collective allocation and write.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+try:
+    from flax import nnx
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("jax_engram.nn needs Flax (NNX): pip install 'jax-engram[nn]' (or pip install flax)") from e
+
+from jax_engram import layers as L
+from jax_engram.context import Context
+from jax_engram.engram import EngramTable
+
+__all__ = ["EngramMemory", "MoE"]
+
+
+def _seed(rngs: nnx.Rngs) -> int:
+    return int(jax.random.randint(rngs.params(), (), 0, np.iinfo(np.int32).max))
+
+
+class EngramMemory(nnx.Module):
+    """Engram memory: hashed n-gram lookup in a table sharded over the context's ranks, gated into the hidden
+    state (see :mod:`jax_engram.layers` for the math).
+
+    Args:
+      hidden: H, the model width.
+      ctx: the :class:`jax_engram.Context` (the EP group the table is sharded over).
+      memory_dim: elements per table row (each head's embedding width).
+      buckets_per_head: rows each (order, hash head) addresses; the table has
+        ``buckets_per_head * hashing.num_heads`` rows (rounded up to a multiple of the ranks).
+      hashing: n-gram orders and hash heads (default 2- and 3-grams, 4 heads each).
+      placement: ``"host"`` (host memory, read over PCIe/C2C on GPUs) or ``"device"`` (HBM).
+      table_dtype: bfloat16, float16 or float32.
+      table_init_scale: the initial rows are normal(0, table_init_scale) (ignored with ``table_rows``).
+      table_rows: optional initial rows [num_rows, memory_dim] (host array, the same on every process).
+      rngs: ``nnx.Rngs`` for the parameters and the initial table.
+
+    Call: ``mem(x, token_ids)`` with x [B, S, H], token_ids int [B, S] -> [B, S, H] of x's dtype.
+    """
+
+    def __init__(self, hidden: int, *, ctx: Context, memory_dim: int = 64, buckets_per_head: int = 1 << 14,
+                 hashing: L.EngramHashing = L.EngramHashing(), placement: Literal["host", "device"] = "host",
+                 table_dtype: Any = jnp.bfloat16, table_init_scale: float = 1.0,
+                 table_rows: Optional[np.ndarray] = None, rngs: nnx.Rngs):
+        self.ctx = ctx
+        self.hashing = hashing
+        R = ctx.num_ranks
+        rows = buckets_per_head * hashing.num_heads
+        num_entries = -(-rows // R)
+        self.table = EngramTable(num_entries, memory_dim, table_dtype, ctx=ctx, placement=placement)
+        if table_rows is None:
+            rng = np.random.default_rng(_seed(rngs))
+            table_rows = rng.standard_normal((R * num_entries, memory_dim), np.float32) * table_init_scale
+        self.write_table(table_rows)
+        p = L.init_engram_params(rngs.params(), hidden=hidden, memory_dim=memory_dim, num_heads=hashing.num_heads)
+        self.w_key = nnx.Param(L.put_global(p["w_key"], ctx, P()))
+        self.w_value = nnx.Param(L.put_global(p["w_value"], ctx, P()))
+
+    def write_table(self, rows: np.ndarray | jax.Array) -> None:
+        """Collective: replace the table's rows ([table.total_entries, memory_dim]; a host array is cast to the
+        table's dtype; fewer rows are padded with zeros)."""
+        t = self.table
+        if not isinstance(rows, jax.Array):
+            rows = np.asarray(rows)
+            if rows.shape[0] < t.total_entries:
+                rows = np.concatenate([rows, np.zeros((t.total_entries - rows.shape[0],) + rows.shape[1:],
+                                                      rows.dtype)])
+            rows = rows.astype(t.dtype)
+        jax.block_until_ready(t.write_global(rows))
+
+    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+        params = {"w_key": self.w_key.value, "w_value": self.w_value.value}
+        return L.engram_layer(params, x, token_ids, table=self.table, hashing=self.hashing)
+
+
+class MoE(nnx.Module):
+    """Expert-parallel mixture of experts: softmax router, top-k, expand dispatch, ``act(x W_up) W_down`` per
+    expert with ``jax.lax.ragged_dot``, routing-weighted combine.
+
+    Args:
+      hidden, ffn: model width and expert intermediate width.
+      num_experts: a multiple of ``ctx.num_ranks`` (each rank holds num_experts / ranks).
+      top_k: experts per token.
+      ctx: the :class:`jax_engram.Context` (the EP group).
+      expert_alignment: rows per expert segment are padded to a multiple of it.
+      activation: the expert nonlinearity (default gelu).
+      param_dtype: dtype of the parameters (the GEMMs run in float32).
+      rngs: ``nnx.Rngs``.
+
+    Parameters: ``router`` [hidden, num_experts] replicated; ``w_up`` [num_experts, hidden, ffn] and
+    ``w_down`` [num_experts, ffn, hidden] sharded over the EP axis.
+    Call: ``moe(x)`` with x [B, ..., hidden] (B a multiple of the ranks) -> same shape and dtype.
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ctx: Context,
+                 expert_alignment: int = 8, activation: L.Activation = jax.nn.gelu, param_dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs):
+        if num_experts % ctx.num_ranks:
+            raise ValueError(f"MoE: num_experts={num_experts} must be a multiple of the {ctx.num_ranks} ranks")
+        self.ctx = ctx
+        self.top_k = top_k
+        self.expert_alignment = expert_alignment
+        self.activation = activation
+        p = L.init_moe_params(rngs.params(), hidden=hidden, ffn=ffn, num_experts=num_experts, dtype=param_dtype)
+        specs = L.moe_param_specs(p, ctx)
+        self.router = nnx.Param(L.put_global(p["router"], ctx, specs["router"]))
+        self.w_up = nnx.Param(L.put_global(p["w_up"], ctx, specs["w_up"]))
+        self.w_down = nnx.Param(L.put_global(p["w_down"], ctx, specs["w_down"]))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        params = {"router": self.router.value, "w_up": self.w_up.value, "w_down": self.w_down.value}
+        return L.moe_layer(params, x, ctx=self.ctx, top_k=self.top_k, expert_alignment=self.expert_alignment,
+                           activation=self.activation)
