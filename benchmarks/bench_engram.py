@@ -437,16 +437,40 @@ def _x_inputs():
                     moe=(nrm(k[2], (R * M, K), 1.0), nrm(k[3], (R * G, K, F), 1.0 / math.sqrt(K)),
                          nrm(k[4], (R * G, F, K), 0.5 / math.sqrt(F)), jnp.full((R * G,), M // G, jnp.int32)))
 
-    out = jax.jit(gen, out_shardings=dict(gemm=(sh, sh), moe=(sh, sh, sh, sh)))(jax.random.key(11))
-    flops = dict(gemm=2 * n ** 3, moe=2 * 2 * M * K * F)
+    S = 1 << (12 if args.tiny else 27)
+
+    def gen_all(key):
+        d = gen(key)
+        d["ew"] = (jax.random.normal(jax.random.fold_in(key, 7), (R * S,), jnp.float32).astype(jnp.bfloat16),)
+        return d
+
+    out = jax.jit(gen_all, out_shardings=dict(gemm=(sh, sh), moe=(sh, sh, sh, sh), ew=(sh,)))(jax.random.key(11))
+    flops = dict(gemm=2 * n ** 3, moe=2 * 2 * M * K * F, ew=_EW_PASSES * S)
     return out, flops, dict(gemm=f"jnp.dot [{n},{n}]x[{n},{n}] bf16",
-                            moe=f"ragged_dot x2 (SiLU between): {M} rows, {G} experts, {K} -> {F} -> {K} bf16")
+                            moe=f"ragged_dot x2 (SiLU between): {M} rows, {G} experts, {K} -> {F} -> {K} bf16",
+                            ew=f"{_EW_PASSES} unfused elementwise passes over {S} bf16 (ordinary grids, no "
+                               f"persistent kernel)")
+
+
+# X = "ew": memory-bound passes that XLA cannot fuse (an optimization barrier between them), each an ordinary grid
+# of short CTAs. Unlike cuBLAS's persistent GEMMs (one CTA per SM for the whole GEMM), such kernels let a few
+# fetch CTAs take SMs as they free up, so this X shows what the few-SM gather can hide when SMs turn over.
+_EW_PASSES = 12
+
+
+_X_KINDS = ("gemm", "moe", "ew")
 
 
 def _x_local(kind):
     """X per rank (inside shard_map): (y, *w) -> y."""
     if kind == "gemm":
         return lambda y, b: jnp.dot(y, b)
+    if kind == "ew":
+        def ew(y):
+            for _ in range(_EW_PASSES):
+                y = jax.lax.optimization_barrier(jnp.sin(y) * jnp.bfloat16(0.5) + y)
+            return y
+        return ew
 
     def moe(y, w1, w2, gs):
         h = jax.lax.ragged_dot(y, w1, gs)
@@ -561,7 +585,7 @@ def run_overlap():
 
     # --- size the fetch to take as long as the GEMM X alone
     xs = {}
-    for kind in ("gemm", "moe"):
+    for kind in _X_KINDS:
         X = _x_local(kind)
         ws = xin[kind]
 
@@ -584,7 +608,7 @@ def run_overlap():
     alts["all_to_all lookup (device table)"] = (B.make_a2a_lookup(mesh), table_arr)
     T0 = 64 if args.tiny else 4096
     f0, _ = fetch_alone(table, cfg_tma, [make_ids(T0, E, total, 900)])
-    for kind in ("gemm", "moe"):
+    for kind in _X_KINDS:
         # --- the fetch sized to take as long as this X alone (the bulk-copy gather's rate at T0)
         t_x = xs[kind]
         T = args.fetch_T
@@ -627,7 +651,7 @@ def run_overlap():
 
         # --- X with the JAX alternatives (same rows, same X)
         x_glob = sm(_x_local(kind), wspecs, wspecs[0])
-        for aname, (afn, atab) in alts.items():
+        for aname, (afn, atab) in (alts.items() if kind != "ew" else ()):  # the alternatives: GEMM-type X only
             def step(c, afn=afn, x_glob=x_glob):
                 tab, i, out, y, *w = c
                 out = afn(tab, i)
@@ -671,7 +695,7 @@ def run_overlap():
 
 def summarize_overlap(rows, cg, cwhat, names):
     lines, out = ["", f"summary (issue 20 goals; ceiling = {cwhat}):"], {}
-    for kind in ("gemm", "moe"):
+    for kind in _X_KINDS:
         for name in names:
             r = [x for x in rows if x.get("X") == kind and x["impl"] == f"X + fetch ({name})"]
             if r and r[0].get("x_slowdown_pct") is not None:
