@@ -73,6 +73,9 @@ class HierContext:
         self.cuda_graphs = self.inner.cuda_graphs
         self.id = self.inner.id
         self.device_bytes, self.host_bytes = self.inner.device_bytes, self.inner.host_bytes
+        from jax_engram import _scaleout_gin
+
+        self._inter_node_path, self._gin_reason = _scaleout_gin.probe(self)
 
     # The node axis as jax.lax collectives take it (a name or a tuple of names).
     @property
@@ -81,7 +84,9 @@ class HierContext:
 
     @property
     def inter_node_path(self) -> str:
-        return "xla all_to_all (static capacity, same-rail)"
+        """How Engram rows cross nodes: "gin" or "xla all_to_all" (static capacity, same-rail); see
+        :mod:`jax_engram._scaleout_gin`."""
+        return self._inter_node_path
 
     def _check_open(self) -> None:
         self.inner._check_open()
@@ -127,7 +132,8 @@ class HierContext:
                   "nodes": self.num_nodes, "ranks_per_node": self.local_size, "node_axes": self.node_axes,
                   "local_axis": self.local_axis, "inter_node_path": self.inter_node_path,
                   "intra_node_path": "jax_engram windows (shared memory)" if self.platform == "cpu"
-                  else "jax_engram windows (NVLink)", "gin": "not implemented (every inter-node byte takes the collective path)",
+                  else "jax_engram windows (NVLink)",
+                  "gin": "in use" if self._inter_node_path == "gin" else f"not used: {self._gin_reason}",
                   "inner": {"id": self.inner.id, "groups": len(self.inner._groups)}})
         return d
 
@@ -289,6 +295,19 @@ def hier_engram_table_class():
     return _engram_table_class()
 
 
+def engram_buckets(ids, total: int, per_node: int, num_nodes: int, mode: str):
+    """The collective path's request accounting (the GIN plan of engram_gin_plan.h groups the same way; tests
+    hold the two equal). ids [...] int32 global ids -> (valid [...], owner node or -1 [...], buckets
+    [num_nodes, ...]): bucket b holds the node-local id (local * num_entries + row) of every id owned by node b
+    at its flat position, -1 elsewhere (capacity: every position)."""
+    g = jnp.minimum(ids, total - 1) if mode == "clip" else ids
+    valid = (g >= 0) & (g < total)
+    owner = jnp.where(valid, g // per_node, -1)
+    nodes = jnp.arange(num_nodes, dtype=jnp.int32).reshape((num_nodes,) + (1,) * ids.ndim)
+    buckets = jnp.where(owner[None] == nodes, g[None] - nodes * per_node, -1)
+    return valid, owner, buckets
+
+
 def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     """ids [T, E] int32 global ids -> (data [T, E*hidden], sf per sf_layout, status)."""
     ctx = table.ctx
@@ -296,12 +315,7 @@ def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     H, Pk, Nn = table.hidden, table.num_sf_packs, ctx.num_nodes
     total, per_node = table.total_entries, table.node_entries
     ids = ctx.varying(ids)
-    g = jnp.minimum(ids, total - 1) if mode == "clip" else ids
-    valid = (g >= 0) & (g < total)
-    owner = jnp.where(valid, g // per_node, -1)                                  # owner node or -1
-    nodes = jnp.arange(Nn, dtype=jnp.int32)[:, None, None]
-    # Bucket b: the node-local ids this rank wants from node b, -1 (padding) elsewhere; capacity T*E.
-    buckets = jnp.where(owner[None] == nodes, g[None] - nodes * per_node, -1)   # [Nn, T, E]
+    valid, owner, buckets = engram_buckets(ids, total, per_node, Nn, mode)
     req = ctx.node_all_to_all(buckets)                                           # [Nn, T, E] from node a
     inner_tok = req if token is None else token
     data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row", config=config)

@@ -169,6 +169,7 @@ void bind_runtime(nb::module_& m, const char* platform) {
   info["jaxlib"] = JAX_ENGRAM_BUILD_JAXLIB;
   info["ffi_api"] = nb::make_tuple(JAX_ENGRAM_FFI_MAJOR, JAX_ENGRAM_FFI_MINOR);
   m.attr("build_info") = info;
+  bind_gin(m);
 }
 
 }  // namespace jax_engram

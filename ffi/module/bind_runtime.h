@@ -4,4 +4,5 @@
 
 namespace jax_engram {
 void bind_runtime(nanobind::module_& m, const char* platform);
+void bind_gin(nanobind::module_& m);  // module/bind_gin.cc
 }

@@ -16,6 +16,10 @@
 namespace nb = nanobind;
 
 namespace jax_engram {
+void bind_gin_cuda(nb::module_& m);  // module/bind_gin_cuda.cc
+}
+
+namespace jax_engram {
 Registry& registry() {
   static Registry* r = new Registry(make_cuda_backend());  // leaked on purpose: outlives XLA's threads
   return *r;
@@ -62,6 +66,7 @@ NB_MODULE(_engram_cuda, m) {
   using namespace jax_engram;
   m.doc() = "jax_engram CUDA backend: cuMem windows, FFI handlers and the side NCCL communicator";
   bind_runtime(m, "gpu");
+  bind_gin_cuda(m);
 
   m.def("nccl_unique_id", []() {
     std::string id;

@@ -1,0 +1,88 @@
+// CUDA handler of the GIN leg of a hierarchical Engram lookup: rows owned by other nodes are read from their
+// owners' windows with NCCL GIN gets (kernels/cuda/engram_gin.cu) into the rows the intra-node lookup produced
+// (operand 1, aliased to result 0). Selected by jax_engram/_scaleout_gin.py only where NCCL reports GIN; anywhere
+// else (no GIN backend, NCCL < 2.30.4 headers) it fails naming why, and the collective path is used instead.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "handlers/common.h"
+#include "jax_engram/engram_gin_plan.h"
+#include "kernels/cuda/engram_gin.h"
+#include "runtime/cuda_gin.h"
+#include "runtime/cuda_member.h"
+
+namespace jax_engram {
+namespace {
+
+ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer rows_in,
+                              ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id,
+                              int64_t num_entries, int64_t ranks_per_node, int64_t nodes, int64_t row_bytes,
+                              int64_t region_offset, int64_t mode) {
+  constexpr int32_t op = kOpEngramFetch;
+  if (!engram_gin_compiled()) return op_error(op, engram_gin_absent_reason(), ffi::ErrorCode::kUnimplemented);
+  MemberScope s(ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  GinState* gs = gin_state(ctx_id, ordinal);
+  if (!gs)
+    return op_error(op, "context " + std::to_string(ctx_id) + " has no GIN communicator on GPU " +
+                            std::to_string(ordinal) + " (ctx.info()['gin'] says why; the collective path serves it)",
+                    ffi::ErrorCode::kFailedPrecondition);
+  if (ids.element_type() != ffi::DataType::S32) return op_error(op, "ids must be int32");
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (num_entries < 1 || ranks_per_node < 1 || nodes < 1 || row_bytes < 1 || region_offset < 0 || mode < 0 ||
+      mode > engram::kModeChecked)
+    return op_error(op, "invalid GIN geometry attributes");
+  if (static_cast<int64_t>(rows->size_bytes()) != n * row_bytes || rows_in.size_bytes() != rows->size_bytes())
+    return op_error(op, "rows must be [n, row_bytes] for the n ids, in and out alike");
+  if (n * row_bytes > gs->staging_bytes)
+    return op_error(op, "the GIN staging area (" + std::to_string(gs->staging_bytes) + " bytes) is smaller than " +
+                            std::to_string(n) + " rows of " + std::to_string(row_bytes) + " bytes");
+  if (status->size_bytes() != sizeof(int32_t)) return op_error(op, "status must be one int32");
+  CudaDeviceGuard g(ordinal);
+  if (g.status() != cudaSuccess) return op_error(op, "cudaSetDevice failed", ffi::ErrorCode::kInternal);
+  cudaError_t ce = cudaSuccess;
+  if (rows->untyped_data() != rows_in.untyped_data() && rows->size_bytes())
+    ce = cudaMemcpyAsync(rows->untyped_data(), rows_in.untyped_data(), rows->size_bytes(), cudaMemcpyDeviceToDevice,
+                         stream);
+  if (ce == cudaSuccess) ce = cudaMemsetAsync(status->untyped_data(), 0, sizeof(int32_t), stream);
+  if (ce != cudaSuccess) return op_error(op, std::string("preparing the GIN fetch: ") + cudaGetErrorString(ce));
+  EngramGinArgs a;
+  a.ids = static_cast<const int32_t*>(ids.untyped_data());
+  a.n = n;
+  a.mode = static_cast<int32_t>(mode);
+  a.geo = engram::GinGeometry{num_entries, static_cast<int32_t>(ranks_per_node), static_cast<int32_t>(nodes),
+                              row_bytes, region_offset};
+  a.my_node = gs->node;
+  a.staging_offset = gs->staging_offset;
+  a.staging = gs->staging;
+  a.out = static_cast<uint8_t*>(rows->untyped_data());
+  a.status = static_cast<int32_t*>(status->untyped_data());
+  a.timeout_cycles = gs->timeout_cycles;
+  const std::string err = launch_engram_gin_fetch(*static_cast<const ncclDevComm*>(gs->devcomm),
+                                                  static_cast<ncclWindow_t>(gs->window), a, stream);
+  if (!err.empty()) return op_error(op, err, ffi::ErrorCode::kInternal);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramGinFetchCuda, EngramGinFetchCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // ids int32 [T, E] (global)
+                                  .Arg<ffi::AnyBuffer>()  // rows from the intra-node lookup [T, E*hidden]
+                                  .Ret<ffi::AnyBuffer>()  // rows (aliases operand 1)
+                                  .Ret<ffi::AnyBuffer>()  // status int32: 1 + first peer whose completion timed out
+                                  .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("num_entries")
+                                  .Attr<int64_t>("ranks_per_node")
+                                  .Attr<int64_t>("nodes")
+                                  .Attr<int64_t>("row_bytes")
+                                  .Attr<int64_t>("region_offset")
+                                  .Attr<int64_t>("mode"));
+
+static HandlerRegistrar reg_gin_fetch("jax_engram_engram_gin_fetch", reinterpret_cast<void*>(JeEngramGinFetchCuda));
+
+}  // namespace jax_engram
