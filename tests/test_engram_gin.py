@@ -91,3 +91,66 @@ def test_plan_rejects_bad_geometry():
         _ffi.native("cpu").engram_gin_plan([0], 0, 0, 1, 1, 4, 0)
     with pytest.raises(ValueError, match="mode"):
         _ffi.native("cpu").engram_gin_plan([0], 5, 1, 1, 1, 4, 0)
+
+
+class _FakeNative:
+    def __init__(self, support, query):
+        self.support, self.query, self.queried = support, query, []
+
+    def gin_support(self):
+        return dict(self.support)
+
+    def gin_query(self, ctx_id, ordinal):
+        self.queried.append(ordinal)
+        return dict(self.query)
+
+
+class _FakeExchange:
+    def allgather(self, name, local, want):
+        return {k: local[k] for k in want}
+
+
+class _FakeInner:
+    def __init__(self, native, fail_topology=False):
+        self._native, self._exchange, self.id, self.ranks_per_gpu = native, _FakeExchange(), 7, 1
+        self.process_ids = [jax.process_index()]
+        self.members = [type("M", (), {"ordinal": 0})(), type("M", (), {"ordinal": 1})()]
+        self.fail_topology, self.topology_calls = fail_topology, 0
+
+    def nccl_topology(self):
+        self.topology_calls += 1
+        if self.fail_topology:
+            raise RuntimeError("ncclCommInitRankConfig failed")
+        return {}
+
+
+def _fake_ctx(platform, nodes, native, **kw):
+    return type("C", (), {"platform": platform, "num_nodes": nodes, "inner": _FakeInner(native, **kw)})()
+
+
+_OK = {"compiled": True, "build_version": 23203, "runtime_version": 23203, "reason": ""}
+
+
+def test_gin_probe_never_fails_and_says_why():
+    """The inter-node path is "xla all_to_all" unless every check passes; the node's NCCL communicator is
+    created (nccl_topology) only on multi-node GPU jobs whose build and libnccl can run GIN."""
+    from jax_engram import _scaleout_gin as g
+
+    no_gin = {"gin_type": 0, "railed_gin_type": 0, "reason": "NCCL reports no GIN backend"}
+    for platform, nodes, sup, why in [
+            ("cpu", 2, _OK, "CPU context"), ("gpu", 1, _OK, "one node"),
+            ("gpu", 2, dict(_OK, compiled=False, reason="GIN not compiled in (NCCL 2.28.9 headers)"),
+             "GIN not compiled in (NCCL 2.28.9 headers)")]:
+        ctx = _fake_ctx(platform, nodes, _FakeNative(sup, no_gin))
+        path, reason = g.probe(ctx)
+        assert path == g.XLA and why in reason, (platform, nodes, reason)
+        assert ctx.inner.topology_calls == 0 and ctx.inner._native.queried == []
+    ctx = _fake_ctx("gpu", 2, _FakeNative(_OK, no_gin))
+    assert g.probe(ctx) == (g.XLA, "process 0: NCCL reports no GIN backend")
+    assert ctx.inner.topology_calls == 1 and ctx.inner._native.queried == [0, 1]
+    ctx = _fake_ctx("gpu", 2, _FakeNative(_OK, no_gin), fail_topology=True)
+    path, reason = g.probe(ctx)
+    assert path == g.XLA and "ncclCommInitRankConfig failed" in reason
+    ctx = _fake_ctx("gpu", 2, _FakeNative(_OK, {"gin_type": 3, "railed_gin_type": 3, "reason": ""}))
+    path, reason = g.probe(ctx)
+    assert path == g.XLA and "cross-node GIN device communicator is not created" in reason
