@@ -11,7 +11,11 @@
 #include "runtime/cuda_member.h"
 
 #if NCCL_VERSION_CODE >= 23004
-#include <nccl_device/host.h>
+#if __has_include(<nccl_device/host.h>)
+#include <nccl_device/host.h>  // the host API moved here from core.h after 2.30
+#else
+#include <nccl_device/core.h>
+#endif
 #endif
 
 namespace jax_engram {

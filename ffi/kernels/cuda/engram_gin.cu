@@ -7,6 +7,8 @@
 #include <nccl_device.h>
 
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
+#include <utility>
 #define JE_GIN_COMPILED 1
 #else
 #define JE_GIN_COMPILED 0
@@ -27,6 +29,25 @@ std::string engram_gin_absent_reason() {
 namespace {
 
 constexpr int kThreads = 256;
+
+// ncclGin::wait with a cycle bound (newer headers) or without (2.30.x: bounded only by the communicator's abort
+// flag). Returns false when the bound passed.
+template <class G, class = void>
+struct HasTimedWait : std::false_type {};
+template <class G>
+struct HasTimedWait<G, std::void_t<decltype(std::declval<const G&>().wait(
+                           std::declval<ncclGinRequest_t&>(), ncclCoopThread{}, ncclGin_None{},
+                           cuda::memory_order_acquire, uint64_t{}))>> : std::true_type {};
+
+template <class G>
+__device__ __forceinline__ bool wait_peer(const G& gin, ncclGinRequest_t& req, uint64_t timeout_cycles) {
+  if constexpr (HasTimedWait<G>::value) {
+    if (timeout_cycles)
+      return gin.wait(req, ncclCoopThread{}, ncclGin_None{}, cuda::memory_order_acquire, timeout_cycles) == ncclSuccess;
+  }
+  gin.wait(req);
+  return true;
+}
 
 __device__ __forceinline__ bool owner_of(const EngramGinArgs& a, int64_t i, engram::GinOwner* o) {
   bool oor = false;
@@ -74,9 +95,15 @@ __global__ void __launch_bounds__(kThreads) engram_gin_fetch_kernel(ncclDevComm 
                     ncclCoopThread{}, ncclGin_None{}, ncclGinOptFlagsAggregateRequests);
           }
         } else {
-          const uint8_t* src = a.staging + slot * rb;
-          uint8_t* dst = a.out + i * rb;
-          for (int64_t b = 0; b < rb; ++b) dst[b] = src[b];
+          if (rb % 16 == 0) {  // rows 16-byte aligned in both buffers (window and XLA buffers are)
+            const uint4* src = reinterpret_cast<const uint4*>(a.staging + slot * rb);
+            uint4* dst = reinterpret_cast<uint4*>(a.out + i * rb);
+            for (int64_t b = 0; b < rb / 16; ++b) dst[b] = src[b];
+          } else {
+            const uint8_t* src = a.staging + slot * rb;
+            uint8_t* dst = a.out + i * rb;
+            for (int64_t b = 0; b < rb; ++b) dst[b] = src[b];
+          }
         }
       }
       run += agg;
@@ -90,14 +117,7 @@ __global__ void __launch_bounds__(kThreads) engram_gin_fetch_kernel(ncclDevComm 
                 a.staging_offset + (base + count - 1) * rb, rb);  // no aggregation flag: rings the doorbell
         ncclGinRequest_t req;
         gin.flushAsync(world, peer, &req);  // completion of this peer's gets only
-        if (a.timeout_cycles) {
-          if (gin.wait(req, ncclCoopThread{}, ncclGin_None{}, cuda::memory_order_acquire, a.timeout_cycles) !=
-                  ncclSuccess &&
-              a.status)
-            atomicCAS(a.status, 0, 1 + peer);
-        } else {
-          gin.wait(req);
-        }
+        if (!wait_peer(gin, req, a.timeout_cycles) && a.status) atomicCAS(a.status, 0, 1 + peer);
       }
       __syncthreads();
       if (a.status && *reinterpret_cast<volatile int32_t*>(a.status) != 0) return;  // a peer timed out: leave out as is

@@ -26,7 +26,8 @@ struct EngramGinArgs {
   uint8_t* staging = nullptr;     // device pointer to those bytes
   uint8_t* out = nullptr;         // [n, row_bytes]: rows of other nodes are written, the rest left as is
   int32_t* status = nullptr;      // device word: set to 1 + peer of the first peer whose completion timed out
-  uint64_t timeout_cycles = 0;    // bound of each per-peer completion wait (0: unbounded)
+  uint64_t timeout_cycles = 0;    // bound of each per-peer completion wait (0: unbounded; headers whose wait
+                                  // takes no bound: the communicator's abort flag ends it)
 };
 
 // True when the GIN kernel is compiled in.
