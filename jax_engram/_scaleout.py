@@ -12,7 +12,9 @@ Engram (``_HierEngramTable``): ids are bucketed by owner node; bucket b goes to 
 (``all_to_all``, capacity T*E ids per node), which reads the rows from its node's windows (inner lookup,
 node-local ids) and sends them back the same way; the requester selects, per id, the row from its owner
 node. Every rank's inner table holds its node's slice of the replicated scale-factor table, so scale
-factors travel with the rows.
+factors travel with the rows. The bucketing is :func:`engram_buckets`; the GIN alternative to this leg
+(:mod:`jax_engram._scaleout_gin`, compiled against NCCL >= 2.30.4, not wired to the lookup yet) groups requests
+the same way (``engram_gin_plan.h``).
 
 EP dispatch (``dispatch``): one copy of a token per destination node (``all_to_all`` over the node axis,
 capacity N tokens per node), then the intra-node dispatch on the receiving (forwarding) rank. To keep
