@@ -9,8 +9,11 @@
 #if NCCL_VERSION_CODE < 22800
 #error "jax_engram needs NCCL >= 2.28 headers (device API); install nvidia-nccl-cu13>=2.28.9 or set NCCL_ROOT"
 #endif
-#if NCCL_VERSION_CODE >= 22900
+#if NCCL_VERSION_CODE >= 22900 && __has_include(<nccl_device/host.h>)
 #include <nccl_device/host.h>
+#elif NCCL_VERSION_CODE >= 22900
+#include <nccl_device/core.h>  // 2.29 / 2.30: the host-side device-API declarations live here
+#include <nccl_device/impl/comm__types.h>
 #else
 #include <nccl_device/core.h>
 #include <nccl_device/impl/comm__types.h>
