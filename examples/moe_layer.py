@@ -211,16 +211,16 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jax._src import xla_bridge
-
-    if a.platform == "cpu" and not xla_bridge.backends_are_initialized():  # else: called from a running job
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", a.devices)
     try:
         import jax_engram as je
     except ModuleNotFoundError:  # run from a source checkout that is not installed
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         import jax_engram as je
+    from jax_engram._jax_private import backends_initialized
+
+    if a.platform == "cpu" and not backends_initialized():  # else: called from a running job
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", a.devices)
 
     devs = jax.devices()
     mesh = jax.make_mesh((len(devs),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))

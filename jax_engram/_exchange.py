@@ -11,11 +11,7 @@ from typing import Any
 
 import jax
 
-
-def _client():
-    from jax._src.distributed import global_state  # jax's KV client; None before jax.distributed.initialize
-
-    return global_state.client
+from jax_engram._jax_private import kv_client as _client
 
 
 class Exchange:

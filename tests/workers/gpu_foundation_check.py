@@ -241,9 +241,9 @@ def check_timeout():
         record("timeout", ok, f"waited {waited:.1f} s; error: {raised[:300]!r}; next op: {next_op[:120]!r}")
     finally:
         # close() is collective with c3's 3 s exchange timeout: meet first, with a generous bound.
-        from jax._src.distributed import global_state
+        from jax_engram._jax_private import kv_client
 
-        global_state.client.wait_at_barrier("gpu_foundation_check/timeout_done", 300_000)
+        kv_client().wait_at_barrier("gpu_foundation_check/timeout_done", 300_000)
         c3.close()
 
 

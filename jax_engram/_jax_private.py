@@ -1,0 +1,27 @@
+"""The one module that reaches into jax's private modules (``jax._src``), each use guarded: a jax that moved what is
+used here fails with a clear error naming it, never with an ImportError from deep inside an op."""
+from __future__ import annotations
+
+import jax
+
+
+def _missing(what: str, e: Exception) -> RuntimeError:
+    return RuntimeError(f"jax_engram needs {what}, which jax {jax.__version__} does not provide where expected: {e}")
+
+
+def kv_client():
+    """jax.distributed's key-value client, or None before ``jax.distributed.initialize``."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError as e:
+        raise _missing("jax.distributed's key-value client (jax._src.distributed.global_state)", e) from None
+    return global_state.client
+
+
+def backends_initialized() -> bool:
+    """Whether jax has started its backends (after which the platform and CPU device count are fixed)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError as e:
+        raise _missing("jax._src.xla_bridge.backends_are_initialized", e) from None
+    return bool(xla_bridge.backends_are_initialized())
