@@ -75,7 +75,7 @@ def _args(argv=None):
     ap.add_argument("--sm-sweep", default="8,16,24,32", help="num_sms values at the largest token count, first dtype ('' = off)")
     ap.add_argument("--no-sm-compare", action="store_true",
                     help="skip the same-run rerun of the largest config (first dtype) on the other dispatch path "
-                         "(JAX_ENGRAM_EP_DISPATCH_CE=0 or 1: SM stores or copy-engine rows)")
+                         "(EPConfig dispatch_copy_engine='never' or 'always': SM stores or copy-engine rows)")
     ap.add_argument("--loop", type=int, default=50, help="calls per timed fori_loop")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -179,11 +179,11 @@ def traffic(mesh, topk, E):
 
 
 # --------------------------------------------------------------------------------------------- our ops
-def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
+def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n, config=None):
     """Jitted (dispatch loop, combine loop, check) over global (x, topk, w, sf)."""
     spec = (P(AX, None),) * 4
     kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=N, expand=expand, expert_alignment=A,
-              num_sms=num_sms)
+              num_sms=num_sms, config=config)
 
     def disp(x, tk, w, sf, tok):
         return jax_engram.dispatch(x, tk, w, x_scales=sf if sf.shape[1] else None, token=tok, **kw)
@@ -235,13 +235,13 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n):
     return sm(dispatch_loop, P(AX)), sm(combine_loop, P(AX)), sm(check, P(None, None))
 
 
-def time_ours(ctx, mesh, inputs, *, N, E, expand, A, num_sms, do_check):
+def time_ours(ctx, mesh, inputs, *, N, E, expand, A, num_sms, do_check, config=None):
     n1, n2 = ARGS.loop, 3 * ARGS.loop
     progs = {}
 
     def make(n):
         if n not in progs:
-            progs[n] = make_ours(ctx, mesh, N=N, E=E, expand=expand, A=A, num_sms=num_sms, n=n)
+            progs[n] = make_ours(ctx, mesh, N=N, E=E, expand=expand, A=A, num_sms=num_sms, n=n, config=config)
         return progs[n]
 
     out = {}
@@ -446,22 +446,14 @@ def main():
                                              topk=K, num_experts=E, expand=expand)
                     variants = [(sms, path, None) for sms in sms_list]
                     if sweep_here and on_gpu and not ARGS.no_sm_compare:  # the other path, same run
-                        variants.insert(1, (ARGS.sms, "SM stores (JAX_ENGRAM_EP_DISPATCH_CE=0)", "0")
-                                        if path.startswith("copy engine") else
-                                        (ARGS.sms, "copy engine (JAX_ENGRAM_EP_DISPATCH_CE=1)", "1"))
-                    for sms, path_v, ce_env in variants:
-                        old_env = os.environ.get("JAX_ENGRAM_EP_DISPATCH_CE")
-                        if ce_env is not None:  # read by the handler at every call: no recompilation needed
-                            os.environ["JAX_ENGRAM_EP_DISPATCH_CE"] = ce_env
-                        try:
-                            r = time_ours(ctx, mesh, inputs, N=N, E=E, expand=expand, A=A, num_sms=sms,
-                                          do_check=not ARGS.no_check)  # every reported configuration
-                        finally:
-                            if ce_env is not None:
-                                if old_env is None:
-                                    os.environ.pop("JAX_ENGRAM_EP_DISPATCH_CE", None)
-                                else:
-                                    os.environ["JAX_ENGRAM_EP_DISPATCH_CE"] = old_env
+                        other = jax_engram.EPConfig(dispatch_copy_engine="never" if path.startswith("copy engine")
+                                                    else "always")
+                        variants.insert(1, (ARGS.sms, ctx.dispatch_path(
+                            max_tokens_per_rank=N, hidden_bytes=H * np.dtype(_dtype(dname)).itemsize, topk=K,
+                            num_experts=E, expand=expand, config=other), other))
+                    for sms, path_v, config in variants:
+                        r = time_ours(ctx, mesh, inputs, N=N, E=E, expand=expand, A=A, num_sms=sms,
+                                      do_check=not ARGS.no_check, config=config)  # every reported configuration
                         used = min(sms or 24, info.get("sms") or 10 ** 6) if on_gpu else None
                         row = dict(tokens=N, hidden=H, topk=K, experts=E, dtype=dname, layout=lname, alignment=A,
                                    ranks=R, sms=used, num_sms_attr=sms, dispatch_path=path_v,

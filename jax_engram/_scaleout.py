@@ -49,7 +49,8 @@ class HierContext:
 
     hierarchical = True
 
-    def __init__(self, mesh, axes: tuple, *, device_bytes, host_bytes, timeout_s: float, cuda_graphs: bool = False):
+    def __init__(self, mesh, axes: tuple, *, device_bytes, host_bytes, timeout_s: float, cuda_graphs: bool = False,
+                 ep_config=None):
         from jax_engram.context import Context
 
         if not isinstance(mesh, jax.sharding.Mesh):
@@ -69,7 +70,8 @@ class HierContext:
         self.local_size = int(mesh.shape[self.local_axis])
         self.num_ranks = self.num_nodes * self.local_size
         self.inner = Context(mesh, self.local_axis, device_bytes=device_bytes, host_bytes=host_bytes,
-                             timeout_s=timeout_s, cuda_graphs=cuda_graphs)
+                             timeout_s=timeout_s, cuda_graphs=cuda_graphs, ep_config=ep_config)
+        self.ep_config = self.inner.ep_config  # the intra-node dispatches' tuning
         self.platform = self.inner.platform
         self.timeout_s = self.inner.timeout_s
         self.cuda_graphs = self.inner.cuda_graphs
@@ -546,7 +548,7 @@ def _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
     isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
     res = ep.dispatch(_split(fx, S), itopk, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
                       expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
-                      x_scales=isf, num_sms=cfg.num_sms or None, token=token)
+                      x_scales=isf, num_sms=cfg.num_sms or None, token=token, config=cfg.ep)
     inner = res.handle
     maps = _maps(cfg, inner)
     Hc = _handle_class()
@@ -570,7 +572,7 @@ def _cached_impl(cfg, zero_padding, x, w, sf, h, token):
     isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
     res = ep.dispatch(ix, None, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
                       expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
-                      x_scales=isf, handle=h.inner, num_sms=cfg.num_sms or None, token=token)
+                      x_scales=isf, handle=h.inner, num_sms=cfg.num_sms or None, token=token, config=cfg.ep)
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
     recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
@@ -723,7 +725,7 @@ _combine_p.defvjp(_combine_fwd, _combine_bwd)
 
 # ------------------------------------------------------------------------------------------- entry points
 def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank, expand, expert_alignment,
-             zero_padding, x_scales, handle, num_sms, token):
+             zero_padding, x_scales, handle, num_sms, token, config=None):
     """``jax_engram.dispatch`` over a :class:`HierContext` (same arguments and results as the flat op)."""
     from jax_engram import _call
 
@@ -762,7 +764,7 @@ def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank
         if mism:
             raise ValueError("jax_engram.dispatch: the handle comes from a dispatch with a different "
                              + ", ".join(f"{n} (handle {a!r}, here {b!r})" for n, a, b in mism))
-        cfg = dataclasses.replace(c, num_sms=sms)
+        cfg = dataclasses.replace(c, num_sms=sms, ep=c.ep if config is None else config)
         K = c.topk
     else:
         if topk_idx is None:
@@ -773,7 +775,7 @@ def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank
         K = topk_idx.shape[1]
         if not 1 <= K <= ep.MAX_TOPK:
             raise ValueError(f"jax_engram.dispatch: top-k = {K} must be in [1, {ep.MAX_TOPK}]")
-        cfg = ep._Config(ctx, R, E, M, N, K, expand, A, sms)
+        cfg = ep._Config(ctx, R, E, M, N, K, expand, A, sms, ctx.ep_config if config is None else config)
     if topk_weights is not None:
         topk_weights = jnp.asarray(topk_weights)
         if topk_weights.shape != (N, K) or topk_weights.dtype != jnp.float32:

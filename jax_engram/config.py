@@ -6,9 +6,11 @@ One section per op family; each section is self-contained (its own types, valida
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
 
-__all__ = ["EngramConfig", "EngramGather", "EngramLoads"]
+import numpy as np
+
+__all__ = ["EngramConfig", "EngramGather", "EngramLoads", "EPConfig"]
 
 
 # ============================================================================================== Engram
@@ -81,3 +83,74 @@ class EngramConfig:
         return dict(gather=_GATHER[self.gather(overlap)], gather_sms=self.num_sms,
                     tma_smem_bytes=self.tma_smem_kib * 1024, sm_loads=_LOADS[self.sm_loads],
                     sm_blocks_per_sm=self.sm_blocks_per_sm)
+
+
+# ================================================================================================== EP
+def _ep_limits() -> dict:
+    from jax_engram import _ffi  # the CPU module is always built and carries the layout headers' limits
+
+    return _ffi.native("cpu").ep_limits
+
+
+def _check_int(owner: str, name: str, v, lo: int, hi: int, allow_none: bool = False):
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{owner}.{name} must be an int{' or None' if allow_none else ''}, got {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{owner}.{name} must be in [{lo}, {hi}], got {v}")
+
+
+_COPY_ENGINE_MODES = {"auto": 0, "never": 1, "always": 2}  # EpCopyMode in kernels/cuda/ep_copy_engine.h
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """Tuning of the CUDA dispatch / combine kernels (ignored by the CPU backend). The defaults are the tuned ones.
+
+    Attributes:
+      dispatch_copy_engine: how a dispatch moves x's rows to the peers. ``"auto"``: the copy engine when a peer is
+        expected to receive nearly all of a rank's tokens (>= 95 %, e.g. 2 ranks at top-8) and
+        ``max_tokens_per_rank * row bytes >= 4 MiB``, else SM stores; ``"never"``: SM stores; ``"always"``: the copy
+        engine whenever the device and config allow it (stream memory operations, 16-byte rows, 2+ ranks).
+        ``Context.dispatch_path`` reports the choice; it never changes results.
+      copy_engine_pieces: pieces the copy-engine rows are cut into (receivers start on a piece as it lands; each
+        piece costs the copy engine a fixed time), in ``[1, 32]``.
+      dispatch_stage_warps: warps of the 16 per CTA that push rows in a dispatch and a cached dispatch (the others
+        receive); None: the path's default (SM stores 6; copy engine: 1, cached 4). In ``[1, 15]``.
+      combine_stage_warps: the same for combine; None: 8 (expand: 14). Far fewer than the default can be much
+        slower for the expand combine, whose expert side sums several rows per pushed row.
+    """
+
+    dispatch_copy_engine: Literal["auto", "never", "always"] = "auto"
+    copy_engine_pieces: int = 4
+    dispatch_stage_warps: Optional[int] = None
+    combine_stage_warps: Optional[int] = None
+
+    def __post_init__(self):
+        if self.dispatch_copy_engine not in _COPY_ENGINE_MODES:
+            raise ValueError(f"EPConfig.dispatch_copy_engine must be one of {sorted(_COPY_ENGINE_MODES)}, got "
+                             f"{self.dispatch_copy_engine!r}")
+        lim = _ep_limits()
+        _check_int("EPConfig", "copy_engine_pieces", self.copy_engine_pieces, 1, lim["max_copy_pieces"])
+        for name in ("dispatch_stage_warps", "combine_stage_warps"):
+            _check_int("EPConfig", name, getattr(self, name), 1, lim["max_stage_warps"], allow_none=True)
+        # exact Python ints: the attributes are part of the cache key, and np.int64(4) == 4 hashes alike anyway
+        for name in ("copy_engine_pieces", "dispatch_stage_warps", "combine_stage_warps"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, int(v))
+
+    @property
+    def copy_engine_mode(self) -> int:
+        """The native policy's mode code (EpCopyMode)."""
+        return _COPY_ENGINE_MODES[self.dispatch_copy_engine]
+
+
+def ep_config(value, where: str) -> EPConfig:
+    """``value`` as an EPConfig (None: the defaults), or a TypeError naming ``where``."""
+    if value is None:
+        return EPConfig()
+    if not isinstance(value, EPConfig):
+        raise TypeError(f"{where} must be a jax_engram.EPConfig or None, got {type(value).__name__}")
+    return value

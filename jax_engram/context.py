@@ -25,6 +25,7 @@ import numpy as np
 
 from jax_engram import _ffi
 from jax_engram._exchange import Exchange
+from jax_engram.config import EPConfig, ep_config as _ep_config
 
 SEGMENT_ALIGNMENT = 2 << 20
 WORKSPACE_BYTES = 8 << 20  # must match kWorkspaceBytes in ffi/include/jax_engram/workspace.h
@@ -107,7 +108,7 @@ class Context:
     """A jax_engram communication context over one mesh axis. Create with :func:`jax_engram.init`."""
 
     def __init__(self, mesh, axis_name: str, *, device_bytes: int | None, host_bytes: int | None,
-                 timeout_s: float, cuda_graphs: bool = False):
+                 timeout_s: float, cuda_graphs: bool = False, ep_config: EPConfig | None = None):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
@@ -128,6 +129,7 @@ class Context:
         self.axis_name = axis_name
         self.timeout_s = float(timeout_s)
         self.cuda_graphs = bool(cuda_graphs)
+        self.ep_config = _ep_config(ep_config, "jax_engram.init: ep_config")
         self.device_bytes = None if device_bytes is None else int(device_bytes)
         self.host_bytes = None if host_bytes is None else int(host_bytes)
         self.num_ranks = int(mesh.shape[axis_name])
@@ -322,20 +324,32 @@ class Context:
                 raise JaxEngramError(e["message"])
 
     def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
-                      expand: bool = False) -> str:
+                      expand: bool = False, config: EPConfig | None = None) -> str:
         """How ``dispatch`` of this config moves x's rows on this context: ``"copy engine (P pieces)"`` (CUDA:
         the whole x is copied into every peer's inbox by the copy engine and every receiver lays out the peers' tokens
-        itself; chosen for large calls when a peer receives nearly all tokens, or forced by
-        ``JAX_ENGRAM_EP_DISPATCH_CE=1``), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The same on every rank. For
-        benchmarks and diagnosis; it does not change the results. ``expand`` is accepted for callers that pass the
-        layout; the choice does not depend on it."""
+        itself), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The same on every rank. ``config``: the op's EPConfig
+        (default: the context's; its ``dispatch_copy_engine`` decides). This is the decision the op itself makes at
+        trace time and passes to the kernel. For benchmarks and diagnosis; it does not change the results.
+        ``expand`` is accepted for callers that pass the layout; the choice does not depend on it."""
+        cfg = self.ep_config if config is None else _ep_config(config, "Context.dispatch_path: config")
+        pieces = self._copy_pieces(int(max_tokens_per_rank), int(hidden_bytes), int(topk), int(num_experts), cfg)
+        if self.platform != "gpu":
+            return "pull (CPU)"
+        return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
+
+    def _copy_pieces(self, M: int, hidden_bytes: int, K: int, E: int, config: EPConfig) -> int:
+        """Copy-engine pieces of a dispatch (0: SM stores), from the native policy (kernels/cuda/ep_copy_engine.h):
+        the value the dispatch passes to its handler. Every process asks its first local member: the answer depends
+        on the config and the device model only."""
         self._check_open()
         if self.platform != "gpu" or not self._created:
-            return "pull (CPU)"
+            return 0
         m = self._created[0]
-        pieces = self._native.ep_dispatch_copy_pieces(self.id, m.ordinal, int(max_tokens_per_rank), int(topk),
-                                                      int(num_experts), int(hidden_bytes), bool(expand))
-        return f"copy engine ({pieces} pieces)" if pieces > 0 else "SM stores"
+        pieces = self._native.ep_dispatch_copy_pieces(self.id, m.ordinal, M, K, E, hidden_bytes,
+                                                      config.copy_engine_mode, config.copy_engine_pieces)
+        if pieces < 0:
+            raise RuntimeError(f"jax_engram context {self.id}: no member on device ordinal {m.ordinal}")
+        return int(pieces)
 
     def graph_captures(self) -> dict:
         """EP calls that XLA captured into CUDA graphs on this process's members (``cuda_graphs=True``), by op:
@@ -411,6 +425,7 @@ class Context:
                        "host_segment_bytes": _align(self.host_bytes or 0)},
             "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts, "cuda_graphs": self.cuda_graphs,
             "ranks_per_gpu": self.ranks_per_gpu,
+            "ep_config": dataclasses.asdict(self.ep_config),
         }
         if self.nccl:
             d["nccl"] = self.nccl
@@ -468,7 +483,7 @@ class Context:
 
 def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None,
          host_bytes: int | None = None,
-         timeout_s: float = 100.0, cuda_graphs: bool = False) -> Context:
+         timeout_s: float = 100.0, cuda_graphs: bool = False, ep_config: EPConfig | None = None) -> Context:
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 
     axis_name may be a tuple of mesh axes ``("node", "gpu")``: a hierarchical EP group spanning nodes (the
@@ -484,6 +499,9 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
     outside graphs. The trade-off: a replayed op runs no host code, so an error its kernel finds on the device
     (a timeout, bad routing) is raised by ``ctx.check()`` or by the next op of the context that is not replayed,
     not by the op itself; call ``ctx.check()`` where you need to know. No effect on CPU.
+
+    ep_config: the context's default :class:`jax_engram.EPConfig` (tuning of the CUDA dispatch / combine kernels);
+    ``dispatch(config=...)`` overrides it per call. None: the defaults.
     """
     if isinstance(axis_name, (tuple, list)):
         if len(axis_name) == 1:
@@ -491,9 +509,9 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
         else:
             from jax_engram._scaleout import HierContext
             return HierContext(mesh, tuple(axis_name), device_bytes=device_bytes, host_bytes=host_bytes,
-                               timeout_s=timeout_s, cuda_graphs=cuda_graphs)
+                               timeout_s=timeout_s, cuda_graphs=cuda_graphs, ep_config=ep_config)
     return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, ep_config=ep_config)
 
 
 def live_contexts() -> list[Context]:

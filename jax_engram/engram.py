@@ -71,7 +71,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_engram import _call
+from jax_engram import _call, _ffi
 from jax_engram.config import EngramConfig
 from jax_engram.context import Context, JaxEngramError
 
@@ -80,14 +80,16 @@ __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_
 #: Storage dtypes of an Engram table.
 ENGRAM_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32),
                  np.dtype(ml_dtypes.float8_e4m3fn))
+# The enums and limits of ffi/include/jax_engram/engram_layout.h, from the CPU module (always built).
+_LAYOUT = _ffi.native("cpu").engram_layout
 #: Out-of-range handling (engram_layout.h Mode).
-ENGRAM_MODES = {"fill": 0, "clip": 1, "checked": 2}
+ENGRAM_MODES = dict(_LAYOUT["modes"])
 #: Scale-factor output layouts (engram_layout.h SfLayout).
-SF_LAYOUTS = {"row": 0, "tma_col_major": 1}
+SF_LAYOUTS = dict(_LAYOUT["sf_layouts"])
 _SF_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
-_SF_TOKEN_ALIGN = 4
+_SF_TOKEN_ALIGN = int(_LAYOUT["sf_token_align"])
 _INT32_MAX = 2**31 - 1
-_NO_BAD_POSITION = 0x7F7F7F7F  # engram_layout.h kNoBadPosition: flat positions T*E must stay below it
+_NO_BAD_POSITION = int(_LAYOUT["no_bad_position"])  # flat positions T*E must stay below it
 
 _uids = itertools.count()
 

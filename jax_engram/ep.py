@@ -47,76 +47,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call
+from jax_engram import _call, _ffi
+from jax_engram.config import EPConfig, ep_config as _ep_config
 from jax_engram.context import Context, JaxEngramError
 
 __all__ = ["dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "dispatch_staging_bytes",
            "combine_staging_bytes", "expand_rows", "MAX_TOPK"]
 
-MAX_TOPK = 32
-MAX_LOCAL_EXPERTS = 256
-MAX_EXPERTS = 2048
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 _SF_DTYPES = (jnp.float32, jnp.int32)
 _COMBINE_DTYPES = (jnp.bfloat16, jnp.float32)
-_ALIGN = 128  # kEpAlign in ep_layout.h
 
 
-# ------------------------------------------------------------------------------------------- layout mirror
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+# ------------------------------------------------------------------------------------------- layout figures
+# Every figure and limit comes from the native layout header (ffi/include/jax_engram/ep_layout.h) through the CPU
+# module, which is always built; nothing here computes its own copy.
+_layout = _ffi.native("cpu")
+MAX_TOPK: int = _layout.ep_limits["max_topk"]
+MAX_LOCAL_EXPERTS: int = _layout.ep_limits["max_local_experts"]
+MAX_EXPERTS: int = _layout.ep_limits["max_experts"]
 
 
 def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:
     """Rows of the expand receive layout: ``align(R*M*min(K,E_loc) + (A-1)*E_loc, A)`` (ep_rows_expand)."""
-    return _align(R * M * min(K, E_loc) + (A - 1) * E_loc, A)
-
-
-_INBOX_CTAS = 160  # kEpInboxCtas in ep_layout.h
-_INBOX_WARPS = 16  # kEpInboxWarps
-_CE_PIECES = 32  # kEpCeMaxPieces
-
-
-def _inbox_bytes(R: int, M: int, K: int, E: int, x_row: int, sf_row: int) -> int:
-    off = _align(64 + 8 * _INBOX_CTAS * _INBOX_WARPS + 8 * _CE_PIECES, _ALIGN)  # ctrl, progress, ce flags
-    off = _align(off + 4 * R, _ALIGN)           # counts
-    off = _align(off + 4 * E, _ALIGN)           # exp_counts
-    off = _align(off + 4 * M, _ALIGN)           # pos
-    off = _align(off + 4 * M * K, _ALIGN)       # topk_idx
-    off = _align(off + 4 * M * K, _ALIGN)       # weights
-    off = _align(off + 4 * M * K, _ALIGN)       # pos_exp
-    off = _align(off + M * x_row, _ALIGN)       # x
-    return _align(off + M * sf_row, _ALIGN)     # scales
+    return int(_layout.ep_rows(True, R, M, K, E_loc, A))
 
 
 def dispatch_staging_bytes(R: int, M: int, K: int, E: int, hidden_bytes: int, num_scales: int,
                            push: bool = False) -> int:
     """Bytes of a dispatch staging region (EpDispatchLayout::total_bytes in ep_layout.h); ``push`` is the CUDA
     protocol (inbox slots on the receiver instead of staged rows on the sender)."""
-    x_row, sf_row = _align(hidden_bytes, 16), _align(num_scales * 4, 16)
-    S = 0 if push else M
-    off = _align(4 * R, _ALIGN)                 # counts
-    off = _align(off + 4 * E, _ALIGN)           # exp_counts
-    off = _align(off + 4 * M * K, _ALIGN)       # topk_idx
-    off = _align(off + 4 * M * K, _ALIGN)       # weights
-    off = _align(off + 4 * M * R, _ALIGN)       # pos_rank
-    off = _align(off + 4 * M * K, _ALIGN)       # pos_exp
-    off = _align(off + S * x_row, _ALIGN)       # x
-    half = _align(off + S * sf_row, _ALIGN)     # scales
-    if push:
-        half += (R - 1) * _inbox_bytes(R, M, K, E, x_row, sf_row)
-    return 2 * half
+    return int(_layout.ep_dispatch_bytes(R, M, K, E, hidden_bytes, num_scales, bool(push)))
 
 
 def combine_staging_bytes(R: int, M: int, K: int, hidden_bytes: int, push: bool = False) -> int:
     """Bytes of a combine staging region (EpCombineLayout::total_bytes in ep_layout.h)."""
-    y_row = _align(hidden_bytes, 16)
-    if push:
-        slot = _align(_align(8 * _INBOX_CTAS * _INBOX_WARPS, _ALIGN) + M * y_row, _ALIGN)
-        return 2 * R * _align(slot + 4 * M * K, _ALIGN)
-    off = _align(R * M * y_row, _ALIGN)
-    half = _align(off + 4 * R * M * K, _ALIGN)
-    return 2 * half
+    return int(_layout.ep_combine_bytes(R, M, K, hidden_bytes, bool(push)))
 
 
 # --------------------------------------------------------------------------------------------- pytrees
@@ -133,6 +99,7 @@ class _Config:
     expand: bool
     expert_alignment: int
     num_sms: int
+    ep: EPConfig = EPConfig()
 
     @property
     def num_local_experts(self) -> int:
@@ -140,18 +107,24 @@ class _Config:
 
     @property
     def rows(self) -> int:
-        if self.expand:
-            return expand_rows(self.num_ranks, self.max_tokens_per_rank, self.topk, self.num_local_experts,
-                               self.expert_alignment)
-        return self.num_ranks * self.max_tokens_per_rank
+        return int(_layout.ep_rows(self.expand, self.num_ranks, self.max_tokens_per_rank, self.topk,
+                                   self.num_local_experts, self.expert_alignment))
 
     @property
     def token_rows(self) -> int:
         return self.num_ranks * self.max_tokens_per_rank
 
     def attrs(self) -> dict:
+        """The attributes every EP op of this config passes (EpDispatchAttrs / EpCombineAttrs in ep_bindings.h)."""
         return dict(num_experts=self.num_experts, max_tokens_per_rank=self.max_tokens_per_rank,
                     expand=int(self.expand), num_sms=self.num_sms)
+
+    def dispatch_attrs(self, copy_pieces: int, zero_padding: bool) -> dict:
+        return dict(self.attrs(), expert_alignment=self.expert_alignment, zero_padding=int(zero_padding),
+                    copy_pieces=copy_pieces, stage_warps=self.ep.dispatch_stage_warps or 0)
+
+    def combine_attrs(self) -> dict:
+        return dict(self.attrs(), stage_warps=self.ep.combine_stage_warps or 0)
 
 
 _HANDLE_FIELDS = ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
@@ -306,16 +279,16 @@ def _is(dtype, choices) -> bool:
     return any(np.dtype(dtype) == np.dtype(c) for c in choices)
 
 
-def _graph_lane(cfg: _Config, hidden: int, dtype) -> bool:
-    """Whether this dispatch config runs on the graph targets (dispatch lane 1, ep_layout.h): the context asks
-    for CUDA graphs and the config moves rows by SM stores (copy-engine rows need the handler on every call).
-    Decided at trace time; the region key carries it, so a region never serves both lanes."""
+def _dispatch_plan(cfg: _Config, hidden: int, dtype) -> tuple[int, bool]:
+    """(copy-engine pieces, graph target) of a dispatch-type call of this config, decided once at trace time: the
+    pieces from the native policy (what ``ctx.dispatch_path`` reports; 0 = SM stores), passed to the handler as an
+    attribute. The graph targets (dispatch lane 1, ep_layout.h) take the calls of a context with CUDA graphs that move
+    rows by SM stores (copy-engine rows need the handler on every call). The region key carries the lane, so a region
+    never serves both lanes."""
     ctx = cfg.ctx
-    if not ctx.cuda_graphs or ctx.platform == "cpu":
-        return False
-    path = ctx.dispatch_path(max_tokens_per_rank=cfg.max_tokens_per_rank, hidden_bytes=hidden * np.dtype(dtype).itemsize,
-                             topk=cfg.topk, num_experts=cfg.num_experts, expand=cfg.expand)
-    return path == "SM stores"
+    pieces = ctx._copy_pieces(cfg.max_tokens_per_rank, hidden * np.dtype(dtype).itemsize, cfg.topk, cfg.num_experts,
+                              cfg.ep)
+    return pieces, bool(ctx.cuda_graphs and ctx.platform != "cpu" and pieces == 0)
 
 
 def _target(base: str, graph: bool) -> str:
@@ -343,7 +316,7 @@ def _dispatch_raw(cfg: _Config, zero_padding: bool, x, w, sf, topk_idx, token):
     N, H = x.shape
     K, R, E_loc, rows, rt = cfg.topk, cfg.num_ranks, cfg.num_local_experts, cfg.rows, cfg.token_rows
     P = sf.shape[1]
-    graph = _graph_lane(cfg, H, x.dtype)
+    pieces, graph = _dispatch_plan(cfg, H, x.dtype)
     region = _dispatch_region(cfg, H, x.dtype, P, graph)
     i32, f32 = jnp.int32, jnp.float32
     has_w = w.shape[1] != 0
@@ -362,8 +335,7 @@ def _dispatch_raw(cfg: _Config, zero_padding: bool, x, w, sf, topk_idx, token):
         _call.like(x, (), token.dtype),                                   # token_out
     ]
     return _call.call(ctx, _target("jax_engram_ep_dispatch", graph), results, x, sf, topk_idx, w, token,
-                      alloc_id=region.alloc_id, offset=region.offset, expert_alignment=cfg.expert_alignment,
-                      zero_padding=int(zero_padding), **cfg.attrs())
+                      alloc_id=region.alloc_id, offset=region.offset, **cfg.dispatch_attrs(pieces, zero_padding))
 
 
 def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psum_expert, unaligned, dst_row,
@@ -371,7 +343,7 @@ def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psu
     N, H = x.shape
     K, rows, rt = cfg.topk, cfg.rows, cfg.token_rows
     P = sf.shape[1]
-    graph = _graph_lane(cfg, H, x.dtype)
+    pieces, graph = _dispatch_plan(cfg, H, x.dtype)
     region = _dispatch_region(cfg, H, x.dtype, P, graph)
     has_w = w.shape[1] != 0
     results = [
@@ -382,7 +354,7 @@ def _cached_raw(cfg: _Config, zero_padding: bool, x, w, sf, meta, psum_rank, psu
     ]
     return _call.call(cfg.ctx, _target("jax_engram_ep_dispatch_cached", graph), results, x, sf, w, meta, psum_rank, psum_expert,
                       unaligned, dst_row, token, alloc_id=region.alloc_id, offset=region.offset,
-                      expert_alignment=cfg.expert_alignment, zero_padding=int(zero_padding), **cfg.attrs())
+                      **cfg.dispatch_attrs(pieces, zero_padding))
 
 
 def _combine_raw(cfg: _Config, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank, token):
@@ -397,7 +369,7 @@ def _combine_raw(cfg: _Config, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
     ]
     graph = cfg.ctx.cuda_graphs and cfg.ctx.platform != "cpu"
     return _call.call(cfg.ctx, _target("jax_engram_ep_combine", graph), results, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
-                      token, alloc_id=region.alloc_id, offset=region.offset, **cfg.attrs())
+                      token, alloc_id=region.alloc_id, offset=region.offset, **cfg.combine_attrs())
 
 
 # --------------------------------------------------------------------------------------------- masks
@@ -534,11 +506,50 @@ def _check_int(name, v, lo=None):
     return int(v)
 
 
+def _routing_errors(topk_idx, num_experts: int, ctx):
+    """validate_routing=True: a float32 zero that the dispatch's token depends on, computed after every rank's
+    topk_idx was checked (on the device) and the first offender of any rank reported to every rank's host: a
+    host callback raises there (on every rank) before the dispatch runs, so nothing is sent."""
+    N, K = topk_idx.shape
+    if N == 0:
+        rec = jnp.zeros((4,), topk_idx.dtype)
+    else:
+        oob = (topk_idx < -1) | (topk_idx >= num_experts)
+        srt = jnp.sort(topk_idx, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        oob_tok, dup_tok = jnp.any(oob, axis=1), jnp.any(dup, axis=1)
+        t = jnp.argmax(oob_tok | dup_tok)
+        v_oob = topk_idx[t, jnp.argmax(oob[t])]
+        v_dup = srt[t, 1:][jnp.argmax(dup[t])] if K > 1 else v_oob
+        kind = jnp.where(oob_tok[t], 1, jnp.where(dup_tok[t], 2, 0))
+        rec = jnp.stack([kind.astype(topk_idx.dtype), t.astype(topk_idx.dtype),
+                         jnp.where(kind == 1, v_oob, v_dup), jnp.zeros((), topk_idx.dtype)])
+    everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
+    zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
+                             jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))
+    return jax.lax.stop_gradient(zero)
+
+
+def _raise_routing(everyone, rank, *, num_experts: int):
+    everyone = np.asarray(everyone)
+    for r, (kind, t, v, _) in enumerate(everyone.tolist()):
+        if kind:
+            who = f"rank {r} (this rank)" if r == int(np.asarray(rank)) else f"rank {r}"
+            what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
+                    else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
+            raise JaxEngramError(
+                f"jax_engram dispatch (validate_routing=True): topk_idx of {who}, token {t}, {what}. Nothing was "
+                "sent and the context is still usable: fix the routing (mask invalid or repeated experts with -1) "
+                "and call again")
+    return np.zeros((), np.float32)
+
+
 def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: Optional[jax.Array] = None, *,
              ctx: Context, num_experts: int, max_tokens_per_rank: int, expand: bool = False,
              expert_alignment: int = 1, zero_padding: bool = False, x_scales: Optional[jax.Array] = None,
              handle: Optional[EPHandle] = None, num_sms: Optional[int] = None, token: Optional[jax.Array] = None,
-             validate_routing: bool = False, deterministic: Optional[bool] = None) -> DispatchResult:
+             validate_routing: bool = False, deterministic: Optional[bool] = None,
+             config: Optional[EPConfig] = None) -> DispatchResult:
     """Send every token to the ranks owning its top-k experts (inside shard_map over ``ctx``'s axis).
 
     The order of the received rows is always canonical (source rank, then source token; expand segments by
@@ -567,6 +578,8 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         sent; the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
         context unusable (close it and init a new one). Uses an XLA collective over the axis.
       deterministic: deprecated, does nothing (the order is always canonical); passing it warns.
+      config: :class:`jax_engram.EPConfig` for this dispatch, the combine that reverses it and their gradients
+        (default: the context's ``ep_config``; with ``handle``: the handle's).
 
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     num_recv_tokens, group_sizes, handle, token).
@@ -583,7 +596,8 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         return _scaleout.dispatch(x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts,
                                   max_tokens_per_rank=max_tokens_per_rank, expand=expand,
                                   expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
-                                  handle=handle, num_sms=num_sms, token=token)
+                                  handle=handle, num_sms=num_sms, token=token,
+                                  config=None if config is None else _ep_config(config, "jax_engram.dispatch: config"))
     _call.check_axis(ctx, "dispatch")
     if deterministic is not None:
         warnings.warn("jax_engram.dispatch: `deterministic` is deprecated and does nothing (the receive order is "
@@ -600,6 +614,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
     A = _check_int("expert_alignment", expert_alignment, 1)
     sms = 0 if num_sms is None else _check_int("num_sms", num_sms, 0)
     expand, zero_padding = bool(expand), bool(zero_padding)
+    epc = None if config is None else _ep_config(config, "jax_engram.dispatch: config")
     if E % R != 0:
         raise ValueError(f"jax_engram.dispatch: num_experts={E} must be a multiple of the {R} ranks of axis "
                          f"{ctx.axis_name!r}")
@@ -634,7 +649,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
             raise ValueError("jax_engram.dispatch: the handle comes from a dispatch with a different "
                              + ", ".join(f"{n} (handle {a!r}, here {b!r})" for n, a, b in mism))
         K = c.topk
-        cfg = dataclasses.replace(c, num_sms=sms)
+        cfg = dataclasses.replace(c, num_sms=sms, ep=c.ep if epc is None else epc)
     else:
         if topk_idx is None:
             raise ValueError("jax_engram.dispatch: topk_idx is required (or pass handle= to replay a layout)")
@@ -646,7 +661,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         K = topk_idx.shape[1]
         if not 1 <= K <= MAX_TOPK:
             raise ValueError(f"jax_engram.dispatch: top-k = {K} must be in [1, {MAX_TOPK}]")
-        cfg = _Config(ctx, R, E, M, N, K, expand, A, sms)
+        cfg = _Config(ctx, R, E, M, N, K, expand, A, sms, ctx.ep_config if epc is None else epc)
     if topk_weights is not None:
         topk_weights = jnp.asarray(topk_weights)
         if topk_weights.shape != (N, K):

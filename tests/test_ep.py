@@ -7,7 +7,9 @@ reference results are computed once per (case, R) and shared through a session d
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -85,23 +87,23 @@ def test_two_processes_one_gpu_each(launch):
     _assert_all_pass(launch(2, WORKER, args=("--suite", "full"), platform="cuda", timeout=900), min_checks=25)
 
 
-# Copy-engine rows (kernels/cuda/ep.h): the auto policy takes them only for large batches, so these force them, in 3
-# pieces so that the pieces cut the CTA token ranges unevenly (and leave some pieces empty at small M).
-_CE_ENV = {"JAX_ENGRAM_EP_DISPATCH_CE": "1", "JAX_ENGRAM_EP_CE_PIECES": "3"}
+# Copy-engine rows (kernels/cuda/ep.h): the auto policy takes them only for large batches, so these force them
+# (EPConfig), in 3 pieces so that the pieces cut the CTA token ranges unevenly (and leave some pieces empty at small M).
+_CE_ARGS = ("--ep-config", "dispatch_copy_engine=always,copy_engine_pieces=3")
 
 
 @pytest.mark.gpu(2)
 def test_two_gpus_one_process_copy_engine_rows():
     # errors too: with copy-engine rows every receiver finds a peer's bad routing itself (no header carries it)
-    res = _run_single(["--platform", "gpu", "--suite", "cases,cache,gradne,grad,errors"], env=_CE_ENV)
+    res = _run_single(["--platform", "gpu", "--suite", "cases,cache,gradne,grad,errors", *_CE_ARGS])
     assert res[0]["dispatch_path"] == "copy engine (3 pieces)", res[0]["dispatch_path"]
     _assert_all_pass(res, min_checks=33)  # cases 10, cache 1, gradne 1, grad 2, errors 19
 
 
 @pytest.mark.gpu(2)
 def test_two_processes_one_gpu_each_copy_engine_rows(launch):
-    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,errors"), platform="cuda", timeout=900,
-                 env=_CE_ENV)
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,errors", *_CE_ARGS), platform="cuda",
+                 timeout=900)
     assert all(r["dispatch_path"] == "copy engine (3 pieces)" for r in res), [r["dispatch_path"] for r in res]
     _assert_all_pass(res, min_checks=33)  # cases 10, cache 1, gradne 1, grad 2, errors 19
 
@@ -150,22 +152,50 @@ def test_two_processes_one_gpu_each_cuda_graphs(launch):
 
 
 @pytest.mark.parametrize("push", [False, True])
-def test_staging_bytes_mirror_the_layout_header(push):
-    """The Python sizes of the EP staging regions (pull: CPU, push: CUDA) equal ep_layout.h's, over shapes that
-    hit every alignment boundary, so a region is never smaller than what the kernels address."""
+def test_layout_figures_come_from_the_native_module(push):
+    """The public layout figures (staging bytes, expand rows, limits) are the native module's (ep_layout.h), over
+    shapes that hit every alignment boundary, and they grow with what the kernels address."""
     from jax_engram import _ffi, ep
 
     mod = _ffi.native("cpu")
-    for R in (1, 2, 3, 8):
-        for M in (1, 7, 128, 4096):
-            for K in (1, 8, 32):
-                for E in (R, 8 * R, 256 if 256 % R == 0 else 8 * R):
-                    for hb, P in ((2, 0), (256, 0), (14336, 0), (7168, 56), (100, 3)):
-                        want = mod.ep_dispatch_bytes(R, M, K, E, hb, P, push)
-                        assert ep.dispatch_staging_bytes(R, M, K, E, hb, P, push=push) == want, (R, M, K, E, hb, P)
-                    for hb in (2, 256, 14336, 100):
-                        want = mod.ep_combine_bytes(R, M, K, hb, push)
-                        assert ep.combine_staging_bytes(R, M, K, hb, push=push) == want, (R, M, K, hb)
+    assert (ep.MAX_TOPK, ep.MAX_LOCAL_EXPERTS, ep.MAX_EXPERTS) == (32, 256, 2048)
+    assert ep.MAX_TOPK == mod.ep_limits["max_topk"] and ep.MAX_EXPERTS == mod.ep_limits["max_experts"]
+    for R, M, K, E, hb, P in ((1, 1, 1, 1, 2, 0), (2, 7, 8, 16, 100, 3), (8, 128, 32, 256, 14336, 0),
+                              (3, 4096, 8, 24, 7168, 56)):
+        got = ep.dispatch_staging_bytes(R, M, K, E, hb, P, push=push)
+        assert got == mod.ep_dispatch_bytes(R, M, K, E, hb, P, push) and got % 256 == 0, (R, M, K, E, hb, P)
+        # the region holds at least the x rows that travel: staged (CPU) or in R - 1 inbox slots (CUDA), both halves
+        assert got >= 2 * (R - 1 if push else 1) * M * hb, (R, M, K, E, hb, P, got)
+        assert ep.combine_staging_bytes(R, M, K, hb, push=push) == mod.ep_combine_bytes(R, M, K, hb, push)
+    # expand rows: align(R*M*min(K, E_loc) + (A-1)*E_loc, A)
+    assert ep.expand_rows(8, 4096, 6, 32, 128) == -(-(8 * 4096 * 6 + 127 * 32) // 128) * 128
+    assert ep.expand_rows(2, 5, 3, 1, 4) == 16 and ep.expand_rows(2, 5, 1, 4, 1) == 10
+
+
+def test_ep_config_is_validated_once_with_clear_errors():
+    import jax_engram as je
+
+    assert je.EPConfig() == je.EPConfig(dispatch_copy_engine="auto", copy_engine_pieces=4)
+    assert hash(je.EPConfig(copy_engine_pieces=3)) == hash(je.EPConfig(copy_engine_pieces=3))  # a cache key
+    for kw, err, needle in ((dict(dispatch_copy_engine="yes"), ValueError, "dispatch_copy_engine must be one of"),
+                            (dict(copy_engine_pieces=0), ValueError, "copy_engine_pieces must be in [1, 32]"),
+                            (dict(copy_engine_pieces=33), ValueError, "copy_engine_pieces must be in [1, 32]"),
+                            (dict(copy_engine_pieces=2.0), TypeError, "copy_engine_pieces must be an int"),
+                            (dict(dispatch_stage_warps=16), ValueError, "dispatch_stage_warps must be in [1, 15]"),
+                            (dict(combine_stage_warps=0), ValueError, "combine_stage_warps must be in [1, 15]"),
+                            (dict(combine_stage_warps=True), TypeError, "combine_stage_warps must be an int")):
+        with pytest.raises(err, match=re.escape(needle)):
+            je.EPConfig(**kw)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        je.EPConfig().copy_engine_pieces = 2
+
+
+def test_ep_config_reaches_the_handlers_as_attributes():
+    # the config is part of the compiled program (attributes of the custom calls), so a new config recompiles
+    # and every rank runs the same one; the CPU backend accepts and ignores the CUDA tuning
+    res = _run_single(["--platform", "cpu", "--cpu-devices", "2", "--suite", "config"],
+                      env={"JAX_PLATFORMS": "cpu"})
+    _assert_all_pass(res, min_checks=2)
 
 
 # The CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h): the handler sizes its

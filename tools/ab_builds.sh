@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of two git revisions in one machine session (diagnosis): knobs can be compared in one process
+# A/B of two git revisions in one machine session (diagnosis): EP configs can be compared in one process
 # (tools/ep_knobs.py), code changes cannot. This builds both revisions side by side (cmake + ninja, in parallel)
 # and runs the same command under each build in alternation, so that drift hits both; each run imports its own
 # tree's jax_engram through PYTHONPATH (nothing is pip-installed).

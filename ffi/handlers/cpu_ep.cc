@@ -28,6 +28,13 @@ void copy_token(const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
   std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
 }
 
+// Copy-engine rows are a CUDA path: Python never asks for them on CPU.
+ffi::Error check_no_copy_engine(int32_t op, const EpDispatchAttrs& at) {
+  if (at.copy_pieces != 0)
+    return op_error(op, "copy_pieces=" + std::to_string(at.copy_pieces) + ": the CPU backend has no copy-engine path");
+  return ffi::Error::Success();
+}
+
 // The staging region of a dispatch (full or cached) of these sizes.
 ffi::Error dispatch_region(Member& m, int32_t op, const EpShapes& sh, int64_t alloc_id, int64_t offset,
                            Allocation** a) {
@@ -58,19 +65,19 @@ ffi::Error EpDispatchCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_sca
                          ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> unaligned,
                          ffi::Result<ffi::AnyBuffer> recv_src_metadata, ffi::Result<ffi::AnyBuffer> dst_row,
                          ffi::Result<ffi::AnyBuffer> num_recv_tokens, ffi::Result<ffi::AnyBuffer> group_sizes,
-                         ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id, int64_t offset,
-                         int64_t num_experts, int64_t max_tokens_per_rank, int64_t expand, int64_t expert_alignment,
-                         int64_t zero_padding, int64_t num_sms) {
-  (void)num_sms;
+                         ffi::Result<ffi::AnyBuffer> token_out, EpDispatchAttrs at) {
   constexpr int32_t op = kOpEpDispatch;
-  MemberScope s(ctx_id, ordinal, op);
+  const int64_t alloc_id = at.alloc_id, offset = at.offset, num_experts = at.num_experts, expand = at.expand,
+                expert_alignment = at.expert_alignment;
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
+  JE_CHECK(check_no_copy_engine(op, at));
   EpShapes sh;
   JE_CHECK(check_dispatch(op, m, x, x_scales, topk_idx, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_idx,
                           *recv_topk_weights, *psum_rank, *psum_expert, *unaligned, *recv_src_metadata, *dst_row,
-                          *num_recv_tokens, *group_sizes, *token_out, num_experts, max_tokens_per_rank, expand,
-                          expert_alignment, zero_padding, &sh));
+                          *num_recv_tokens, *group_sizes, *token_out, num_experts, at.max_tokens_per_rank, expand,
+                          expert_alignment, at.zero_padding, &sh));
   copy_token(token, *token_out);
   Allocation* a;
   JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
@@ -96,18 +103,19 @@ ffi::Error EpDispatchCachedCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
                                ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> recv_x,
                                ffi::Result<ffi::AnyBuffer> recv_x_scales,
                                ffi::Result<ffi::AnyBuffer> recv_topk_weights, ffi::Result<ffi::AnyBuffer> token_out,
-                               int64_t ctx_id, int64_t alloc_id, int64_t offset, int64_t num_experts,
-                               int64_t max_tokens_per_rank, int64_t expand, int64_t expert_alignment,
-                               int64_t zero_padding, int64_t num_sms) {
-  (void)num_sms;
+                               EpDispatchAttrs at) {
   constexpr int32_t op = kOpEpDispatch;  // zero_padding: the CPU backend zeroes every row it does not write
-  MemberScope s(ctx_id, ordinal, op);
+  const int64_t alloc_id = at.alloc_id, offset = at.offset, num_experts = at.num_experts, expand = at.expand,
+                expert_alignment = at.expert_alignment;
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
+  JE_CHECK(check_no_copy_engine(op, at));
   EpShapes sh;
   JE_CHECK(check_dispatch_cached(op, m, x, x_scales, topk_weights, recv_src_metadata, psum_rank, psum_expert,
                                  unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                                 num_experts, max_tokens_per_rank, expand, expert_alignment, zero_padding, &sh));
+                                 num_experts, at.max_tokens_per_rank, expand, expert_alignment, at.zero_padding,
+                                 &sh));
   copy_token(token, *token_out);
   Allocation* a;
   JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
@@ -126,16 +134,15 @@ ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_w
                         ffi::AnyBuffer bias1, ffi::AnyBuffer recv_src_metadata, ffi::AnyBuffer dst_row,
                         ffi::AnyBuffer topk_idx, ffi::AnyBuffer psum_rank, ffi::AnyBuffer token,
                         ffi::Result<ffi::AnyBuffer> combined_x, ffi::Result<ffi::AnyBuffer> combined_topk_weights,
-                        ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id, int64_t offset,
-                        int64_t num_experts, int64_t max_tokens_per_rank, int64_t expand, int64_t num_sms) {
-  (void)num_sms;
+                        ffi::Result<ffi::AnyBuffer> token_out, EpCombineAttrs at) {
   constexpr int32_t op = kOpEpCombine;
-  MemberScope s(ctx_id, ordinal, op);
+  const int64_t num_experts = at.num_experts, expand = at.expand;
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   EpShapes sh;
   JE_CHECK(check_combine(op, m, y, topk_weights, bias0, bias1, recv_src_metadata, dst_row, topk_idx, psum_rank, token,
-                         *combined_x, *combined_topk_weights, *token_out, num_experts, max_tokens_per_rank, expand,
+                         *combined_x, *combined_topk_weights, *token_out, num_experts, at.max_tokens_per_rank, expand,
                          &sh));
   copy_token(token, *token_out);
   const Common& c = sh.c;
@@ -143,7 +150,7 @@ ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_w
   const bool has_w = sh.has_w, has_b0 = sh.has_b0, has_b1 = sh.has_b1;
   const auto L = EpCombineLayout::make(c.R, c.M, K, row_bytes);
   Allocation* a;
-  JE_CHECK(check_region(m, alloc_id, offset, L.total_bytes(), op, &a));
+  JE_CHECK(check_region(m, at.alloc_id, at.offset, L.total_bytes(), op, &a));
 
   cpu::EpCombineArgs args;
   args.c = cpu::EpConfig{c.M, N, K, c.E, 1, expand != 0, rows};
@@ -159,7 +166,7 @@ ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_w
   args.psum_rank = static_cast<const int32_t*>(psum_rank.untyped_data());
   args.out = static_cast<uint8_t*>(combined_x->untyped_data());
   args.out_w = has_w ? static_cast<float*>(combined_topk_weights->untyped_data()) : nullptr;
-  if (!cpu::ep_combine(m, *a, static_cast<uint64_t>(offset), args)) return finish(s, num_experts);
+  if (!cpu::ep_combine(m, *a, static_cast<uint64_t>(at.offset), args)) return finish(s, num_experts);
   return s.check_recorded();
 }
 

@@ -5,15 +5,12 @@
 #include <cuda_runtime_api.h>
 
 #include "handlers/common.h"
+#include "handlers/cuda_common.h"
 #include "kernels/cuda/base.h"
 #include "runtime/cuda_member.h"
 
 namespace jax_engram {
 namespace {
-
-ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
-  return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
-}
 
 // The member's device must be current to launch on XLA's stream; XLA normally has it current already.
 ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
@@ -75,16 +72,12 @@ ffi::Error RingExchangeCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeBarrierCuda, BarrierCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              cuda_context()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("ctx_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeRingExchangeCuda, RingExchangeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              cuda_context()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("ctx_id")

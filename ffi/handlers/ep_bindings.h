@@ -1,24 +1,51 @@
 // The FFI signatures of the EP ops after each backend's context arguments (CUDA: the stream; both: the device
-// ordinal): one definition for the CPU and CUDA handlers, in the operand / result / attribute order that
-// jax_engram/ep.py binds.
+// ordinal): one definition for the CPU and CUDA handlers, in the operand / result order that jax_engram/ep.py
+// binds. The attributes of each op decode into one struct (XLA FFI struct attribute decoding: every attribute of
+// the call, by name), the same struct on both backends; fields a backend does not use are still part of the call,
+// so both backends accept the same calls.
 #pragma once
+#include <cstdint>
 #include <utility>
 
 #include "handlers/common.h"
 
 namespace jax_engram {
 
-// The attributes every EP op starts with.
-template <typename B>
-auto bind_ep_attrs(B&& b) {
-  return std::forward<B>(b)
-      .template Attr<int64_t>("ctx_id")
-      .template Attr<int64_t>("alloc_id")
-      .template Attr<int64_t>("offset")
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("max_tokens_per_rank")
-      .template Attr<int64_t>("expand");
-}
+// Static attributes of a dispatch and of a cached dispatch (jax_engram/ep.py _Config.attrs).
+struct EpDispatchAttrs {
+  int64_t ctx_id;
+  int64_t alloc_id, offset;  // staging region
+  int64_t num_experts, max_tokens_per_rank, expand, expert_alignment, zero_padding;
+  int64_t num_sms;           // CUDA: CTAs (0 = the default); CPU: unused
+  int64_t copy_pieces;       // CUDA: copy-engine pieces decided at trace time (0 = SM stores); CPU: 0
+  int64_t stage_warps;       // CUDA: push warps per CTA (0 = the default of the path); CPU: unused
+};
+
+// Static attributes of a combine.
+struct EpCombineAttrs {
+  int64_t ctx_id;
+  int64_t alloc_id, offset;
+  int64_t num_experts, max_tokens_per_rank, expand;
+  int64_t num_sms, stage_warps;  // CUDA only (0 = the defaults)
+};
+
+}  // namespace jax_engram
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EpDispatchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
+    ::xla::ffi::StructMember<int64_t>("num_experts"), ::xla::ffi::StructMember<int64_t>("max_tokens_per_rank"),
+    ::xla::ffi::StructMember<int64_t>("expand"), ::xla::ffi::StructMember<int64_t>("expert_alignment"),
+    ::xla::ffi::StructMember<int64_t>("zero_padding"), ::xla::ffi::StructMember<int64_t>("num_sms"),
+    ::xla::ffi::StructMember<int64_t>("copy_pieces"), ::xla::ffi::StructMember<int64_t>("stage_warps"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EpCombineAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
+    ::xla::ffi::StructMember<int64_t>("num_experts"), ::xla::ffi::StructMember<int64_t>("max_tokens_per_rank"),
+    ::xla::ffi::StructMember<int64_t>("expand"), ::xla::ffi::StructMember<int64_t>("num_sms"),
+    ::xla::ffi::StructMember<int64_t>("stage_warps"));
+
+namespace jax_engram {
 
 template <typename B>
 auto bind_ep_dispatch(B&& b) {
@@ -40,10 +67,7 @@ auto bind_ep_dispatch(B&& b) {
                  .template Ret<ffi::AnyBuffer>()  // num_recv_tokens
                  .template Ret<ffi::AnyBuffer>()  // group_sizes
                  .template Ret<ffi::AnyBuffer>();  // token_out
-  return bind_ep_attrs(std::move(ops))
-      .template Attr<int64_t>("expert_alignment")
-      .template Attr<int64_t>("zero_padding")
-      .template Attr<int64_t>("num_sms");
+  return std::move(ops).template Attrs<EpDispatchAttrs>();
 }
 
 template <typename B>
@@ -62,10 +86,7 @@ auto bind_ep_dispatch_cached(B&& b) {
                  .template Ret<ffi::AnyBuffer>()  // recv_x_scales
                  .template Ret<ffi::AnyBuffer>()  // recv_topk_weights
                  .template Ret<ffi::AnyBuffer>();  // token_out
-  return bind_ep_attrs(std::move(ops))
-      .template Attr<int64_t>("expert_alignment")
-      .template Attr<int64_t>("zero_padding")
-      .template Attr<int64_t>("num_sms");
+  return std::move(ops).template Attrs<EpDispatchAttrs>();
 }
 
 template <typename B>
@@ -83,8 +104,7 @@ auto bind_ep_combine(B&& b) {
                  .template Ret<ffi::AnyBuffer>()  // combined_x
                  .template Ret<ffi::AnyBuffer>()  // combined_topk_weights
                  .template Ret<ffi::AnyBuffer>();  // token_out
-  return bind_ep_attrs(std::move(ops))
-      .template Attr<int64_t>("num_sms");
+  return std::move(ops).template Attrs<EpCombineAttrs>();
 }
 
 }  // namespace jax_engram

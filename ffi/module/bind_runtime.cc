@@ -44,15 +44,42 @@ Export export_from_dict(const nb::dict& d) {
 
 void bind_runtime(nb::module_& m, const char* platform) {
   m.attr("platform") = platform;
-  // The EP staging sizes straight from ep_layout.h, so that tests can hold the Python mirror
-  // (jax_engram.ep.dispatch_staging_bytes / combine_staging_bytes) to the one source of truth.
+  // Layout figures and limits straight from the layout headers (ep_layout.h, engram_layout.h): the Python layer
+  // asks for them instead of keeping its own copy (jax_engram/ep.py, engram.py).
   m.def("ep_dispatch_bytes", [](int64_t R, int64_t M, int64_t K, int64_t E, int64_t hidden_bytes, int64_t scales,
                                 bool push) {
     return EpDispatchLayout::make(R, M, K, E, hidden_bytes, scales, push).total_bytes();
-  });
+  }, nb::arg("ranks"), nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"),
+     nb::arg("hidden_bytes"), nb::arg("num_scales"), nb::arg("push"),
+     "Bytes of a dispatch staging region (EpDispatchLayout::total_bytes; push: the CUDA protocol).");
   m.def("ep_combine_bytes", [](int64_t R, int64_t M, int64_t K, int64_t hidden_bytes, bool push) {
     return EpCombineLayout::make(R, M, K, hidden_bytes, push).total_bytes();
-  });
+  }, nb::arg("ranks"), nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("hidden_bytes"), nb::arg("push"),
+     "Bytes of a combine staging region (EpCombineLayout::total_bytes; push: the CUDA protocol).");
+  m.def("ep_rows", [](bool expand, int64_t R, int64_t M, int64_t K, int64_t E_loc, int64_t A) {
+    return ep_rows(expand, R, M, K, E_loc, A);
+  }, nb::arg("expand"), nb::arg("ranks"), nb::arg("max_tokens_per_rank"), nb::arg("topk"),
+     nb::arg("num_local_experts"), nb::arg("alignment"), "Rows of a dispatch's receive layout (ep_rows).");
+  {
+    nb::dict lim;
+    lim["max_topk"] = kEpMaxTopk;
+    lim["max_local_experts"] = kEpMaxLocalExperts;
+    lim["max_experts"] = kEpMaxExperts;
+    lim["max_copy_pieces"] = kEpCeMaxPieces;
+    lim["max_stage_warps"] = kEpMaxStageWarps;
+    m.attr("ep_limits") = lim;
+    nb::dict eg, modes, sf_layouts;
+    modes["fill"] = static_cast<int>(engram::kModeFill);
+    modes["clip"] = static_cast<int>(engram::kModeClip);
+    modes["checked"] = static_cast<int>(engram::kModeChecked);
+    sf_layouts["row"] = static_cast<int>(engram::kSfRow);
+    sf_layouts["tma_col_major"] = static_cast<int>(engram::kSfTmaColMajor);
+    eg["modes"] = modes;
+    eg["sf_layouts"] = sf_layouts;
+    eg["sf_token_align"] = engram::kSfTokenAlign;
+    eg["no_bad_position"] = engram::kNoBadPosition;
+    m.attr("engram_layout") = eg;
+  }
   // Test hooks: the CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h), which the
   // handler (copy sizes) and the kernels (waits, chunk words) must agree on; whole tables per call.
   m.def("ep_cta_table", [](int M, int G) {  // ([t0 per CTA], [t1 per CTA], [CTA of token t], tokens per CTA)
@@ -130,19 +157,6 @@ void bind_runtime(nb::module_& m, const char* platform) {
   m.def("alloc_free", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
     check(registry().free_alloc(ctx, ordinal, alloc_id));
   }, nb::call_guard<nb::gil_scoped_release>());
-  m.def("alloc_info", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
-    Member* mem = registry().find(ctx, ordinal);
-    if (!mem) throw std::runtime_error("no such member");
-    Allocation* a = mem->alloc(alloc_id);
-    if (!a) throw std::runtime_error("no such allocation");
-    nb::dict d;
-    d["local"] = reinterpret_cast<uintptr_t>(a->local);
-    std::vector<uintptr_t> peers;
-    for (auto* p : a->peers) peers.push_back(reinterpret_cast<uintptr_t>(p));
-    d["peers"] = peers;
-    d["total_bytes"] = a->total_bytes;
-    return d;
-  });
   m.def("error", [](int64_t ctx, int32_t ordinal) -> nb::object {
     Member* mem = registry().find(ctx, ordinal);
     if (!mem || !mem->error_host || mem->error_host->code <= 0) return nb::none();

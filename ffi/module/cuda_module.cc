@@ -103,8 +103,10 @@ NB_MODULE(_engram_cuda, m) {
         nb::arg("ctx_id"), nb::arg("ordinal"));
 
   m.def("ep_dispatch_copy_pieces", &ep_dispatch_copy_pieces, nb::arg("ctx_id"), nb::arg("ordinal"),
-        nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"), nb::arg("expand"),
-        "Copy-engine pieces a dispatch of this config uses on this member (0: SM stores; -1: no such member).");
+        nb::arg("max_tokens_per_rank"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("hidden_bytes"),
+        nb::arg("mode"), nb::arg("pieces"),
+        "Copy-engine pieces a dispatch of this config uses on this member under mode (0 auto, 1 never, 2 always) "
+        "(0: SM stores; -1: no such member).");
   m.def("ep_graph_captures", &ep_graph_captures, nb::arg("ctx_id"), nb::arg("ordinal"),
         "EP calls captured into a CUDA graph on this member: [dispatch, cached dispatch, combine] (empty: no such "
         "member).");

@@ -30,6 +30,8 @@ ap.add_argument("--suite", default="full")
 ap.add_argument("--cases", default="")
 ap.add_argument("--timeout", type=float, default=120.0)
 ap.add_argument("--cuda-graphs", action="store_true", help="create the context with cuda_graphs=True")
+ap.add_argument("--ep-config", default="", help="jax_engram.EPConfig fields of every context, e.g. "
+                "dispatch_copy_engine=always,copy_engine_pieces=3")
 ap.add_argument("--wide-only", action="store_true", help="only the cases marked wide (for 4+ ranks)")
 ap.add_argument("--nodes", type=int, default=0, help="hierarchical EP group: a (nodes, R/nodes) mesh with axes "
                 "(\"node\", \"gpu\") and je.init(mesh, (\"node\", \"gpu\")) (suites cases, cache, gradne)")
@@ -59,6 +61,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import ep  # noqa: E402
+
+
+def _parse_ep_config(text: str) -> "je.EPConfig":
+    kw = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=", 1)
+        kw[k] = v if k == "dispatch_copy_engine" else int(v)
+    return je.EPConfig(**kw)
+
+
+EPC = _parse_ep_config(args.ep_config)
 _REF_SRC = (REPO / "jax_engram" / "reference.py").read_bytes()  # read with the import: keys the reference cache
 from jax_engram import reference as ref  # noqa: E402
 
@@ -374,6 +387,47 @@ def suite_quick(ctx):
     check("case_quick_expand", lambda: run_case(ctx, Case("quick", expand=True, A=4, zp=True, nbias=1)))
 
 
+def suite_config(ctx):
+    check("ep_config_attributes_and_cache_key", lambda: _config_check(ctx))
+    check("ep_config_type_errors", _config_type_check)
+
+
+def _config_check(ctx):
+    """An EPConfig reaches the handlers as attributes of the custom calls (the per-op config over the context's), so
+    a new config compiles anew; the results do not change. The dispatch's config also rules its combine."""
+    E, K, M, H = 4 * R, 2, 8, 128
+
+    def make(config):
+        def body(x, idx):
+            d = ep.dispatch(x[0], idx[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M, config=config)
+            y, _ = ep.combine(d.recv_x, d.handle)
+            return y[None]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+
+    rng = np.random.default_rng(3)
+    x = shard(rng.standard_normal((R, M, H)).astype(jnp.bfloat16))
+    idx = shard(np.stack([rng.permutation(E)[:K] for _ in range(R * M)]).reshape(R, M, K).astype(np.int32))
+    cfg = je.EPConfig(dispatch_copy_engine="never", dispatch_stage_warps=5, combine_stage_warps=11)
+    f_default, f_cfg = make(None), make(cfg)
+    hlo = f_cfg.lower(x, idx).as_text()
+    for want in ("stage_warps = 5", "stage_warps = 11", "copy_pieces = 0"):
+        if want not in hlo:
+            return False, f"{want!r} not among the custom calls' attributes"
+    if "stage_warps = 0" not in f_default.lower(x, idx).as_text():
+        return False, "the default config does not pass stage_warps = 0"
+    a, b = np.asarray(f_default(x, idx)), np.asarray(f_cfg(x, idx))
+    path = ctx.dispatch_path(max_tokens_per_rank=M, hidden_bytes=H * 2, topk=K, num_experts=E, config=cfg)
+    want_path = "pull (CPU)" if ctx.platform == "cpu" else "SM stores"
+    return bool(np.array_equal(a.view(np.uint16), b.view(np.uint16))) and path == want_path, f"path={path}"
+
+
+def _config_type_check():
+    ok1, m1 = expect_error(lambda: je.init(mesh, "ep", ep_config={"copy_engine_pieces": 3}),
+                           "ep_config must be a jax_engram.EPConfig")
+    return ok1, m1
+
+
 def suite_cache(ctx):
     check("jit_cache_hit_when_token_count_changes", lambda: _cache_check(ctx))
 
@@ -417,7 +471,7 @@ def suite_lanes(ctx):
 def _after_close_check():
     """A compiled function of a closed context must fail with an error, not run: with cuda_graphs a replayed graph
     would launch kernels into the freed windows, so close() drops JAX's compiled executables and the call retraces."""
-    c2 = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
+    c2 = je.init(mesh, "ep", ep_config=EPC, timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
     E, M, H = 4 * R, 8, 128
 
     def body(x, i):
@@ -513,7 +567,7 @@ def suite_errors(_ctx_unused):
     E, K, M, H = 2 * R, 2, 8, 128
 
     def run_bad(idx_full, needles, detail):
-        ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+        ctx = je.init(mesh, "ep", ep_config=EPC, timeout_s=args.timeout)
         try:
             f = jax.jit(jax.shard_map(
                 lambda x, i: ep.dispatch(x[0], i[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M).recv_x[None],
@@ -545,7 +599,7 @@ def suite_errors(_ctx_unused):
     check("error_expert_below_minus_one", lambda: run_bad(neg, ["token 2", "expert id -7"], 2 * 64 + 2))
 
     def too_small():
-        ctx = je.init(mesh, "ep", device_bytes=1 << 20, timeout_s=args.timeout)
+        ctx = je.init(mesh, "ep", ep_config=EPC, device_bytes=1 << 20, timeout_s=args.timeout)
         try:
             Mb = 4096  # staging needs 2 * 4096 * 7168 * 2 bytes > 1 MiB
             f = jax.jit(jax.shard_map(
@@ -560,10 +614,10 @@ def suite_errors(_ctx_unused):
 
     check("error_window_too_small_names_bytes", too_small)
     check("error_init_cuda_graphs_not_bool",
-          lambda: expect_error(lambda: je.init(mesh, "ep", cuda_graphs="yes"), "cuda_graphs must be a bool"))
+          lambda: expect_error(lambda: je.init(mesh, "ep", ep_config=EPC, cuda_graphs="yes"), "cuda_graphs must be a bool"))
 
     # Trace-time validation: messages name the argument.
-    ctx = je.init(mesh, "ep", timeout_s=args.timeout)
+    ctx = je.init(mesh, "ep", ep_config=EPC, timeout_s=args.timeout)
     try:
         def trace(fn, *shapes):
             specs = [jax.ShapeDtypeStruct((R,) + s[0], s[1], sharding=NamedSharding(mesh, SPEC)) for s in shapes]
@@ -620,7 +674,7 @@ def suite_errors(_ctx_unused):
                 results[index] = r.update(shape=(r.shape[0] + 1,) + tuple(r.shape[1:]))
             return real(ctx_, tgt, results, *ops, **attrs)
 
-        ctx = je.init(mesh, "ep", timeout_s=args.timeout, cuda_graphs=graphs)
+        ctx = je.init(mesh, "ep", ep_config=EPC, timeout_s=args.timeout, cuda_graphs=graphs)
         kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand)
 
         def body(x, i):
@@ -743,11 +797,12 @@ def suite_example(_ctx):
 
 
 SUITES = {"cases": suite_cases, "quick": suite_quick, "cache": suite_cache, "errors": suite_errors,
+          "config": suite_config,
           "grad": suite_grad, "gradne": suite_grad_nonexpand, "lanes": suite_lanes, "example": suite_example}
 want = args.suite.split(",")
 if "full" in want:
     want = ["cases", "cache", "gradne", "grad", "lanes", "errors"]
-ctx = je.init(mesh, AX, timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
+ctx = je.init(mesh, AX, ep_config=EPC, timeout_s=args.timeout, cuda_graphs=args.cuda_graphs)
 dispatch_path = None
 graph_captures = None
 try:

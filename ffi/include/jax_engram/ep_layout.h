@@ -154,6 +154,7 @@ inline constexpr int kEpInboxCtas = 160;  // the most CTAs an EP kernel may use
 inline constexpr int kEpInboxWarps = 16;  // the most stage warps per CTA
 inline constexpr int kEpCeMaxPieces = 32; // the most copy-engine pieces of a dispatch (ep.h)
 inline constexpr int kEpCePeerCounts = 1536;  // copy-engine dispatch: the most (R-1) * (R + E/R) (CUDA scratch)
+inline constexpr int kEpMaxStageWarps = kEpInboxWarps - 1;  // a CTA's push warps; at least one warp receives
 JE_HD uint64_t ep_progress_index(int64_t cta, int64_t warp) { return (uint64_t)(cta * kEpInboxWarps + warp); }
 JE_HD int64_t ep_inbox_slot(int64_t s, int64_t d, int64_t R) { return (s - d + R) % R - 1; }
 struct EpInbox {
@@ -175,8 +176,8 @@ struct EpInbox {
 // copies' sizes) and every kernel (waits, chunk words) must agree on them exactly; tests/test_ep.py checks them
 // through the module's test hooks.
 // Token ranges of the dispatch CTAs (full and cached dispatch, both ranks' view of one call: from M and G only).
-// With few tokens per CTA (M <= 32 G) CTA 0 gets none: it also computes the totals and writes the header, and at
-// 128 tokens its own rows went out ~10 us after the other CTAs' (2xH200 trace), last on every receiver's path.
+// With few tokens per CTA (M <= 32 G) CTA 0 gets none: it also computes the totals and writes the header, so its own
+// rows would go out after the other CTAs', last on every receiver's path.
 JE_HD int ep_first_token_cta(int64_t M, int G) { return G >= 2 && M <= 32 * static_cast<int64_t>(G) ? 1 : 0; }
 JE_HD int ep_tokens_per_cta(int64_t M, int G) {
   const int n = G - ep_first_token_cta(M, G);
@@ -201,7 +202,7 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
   return static_cast<int>((static_cast<int64_t>(t - t0 + 1) * nch + len - 1) / len) - 1;
 }
 
-// Taper tau (JAX_ENGRAM_EP_CE_TAPER, 0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
+// Taper tau (0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
 // later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
 // of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the
 // kernel's waits must agree exactly.

@@ -40,6 +40,7 @@ inline constexpr int kEpThreads = 512;  // threads per CTA of every EP kernel
 inline constexpr int kEpMaxCtas = 160;  // scratch arrays are sized for this many CTAs
 static_assert(kEpMaxCtas == kEpInboxCtas, "every CTA needs progress words in the inbox slots (ep_layout.h)");
 static_assert(kEpThreads / 32 <= kEpInboxWarps, "every stage warp needs a progress word (ep_layout.h)");
+static_assert(kEpThreads / 32 - 1 == kEpMaxStageWarps, "at least one warp per CTA receives (ep_layout.h)");
 
 struct EpDispatchParams {
   EpWindow w;
@@ -76,8 +77,8 @@ struct EpDispatchParams {
   int32_t* token_out = nullptr;
   // launch shape (filled by the launcher)
   int32_t chunk = 8;         // push chunks per CTA range (ep_dispatch_chunks; same on every rank: from M, G, SW)
-  int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE: CTA 0 and G-1 printf their phase times (diagnosis only)
-  int32_t trace_cta = -1;    // JAX_ENGRAM_EP_TRACE_CTA: the CTA traced beside CTA 0 (-1: the last)
+  int32_t trace = 0;         // ep_trace_level() (ep_trace.h): printf of spans / phase times (diagnosis only)
+  int32_t trace_cta = -1;    // ep_trace_cta(): the CTA traced beside CTA 0 (-1: the last)
   int32_t layout_warps = 0;
   int32_t smem_tables = 0;  // byte offset of the receive tables in dynamic shared memory
   int32_t smem_topk = -1;   // byte offset of the CTA's topk rows in dynamic shared memory (-1: read from global)
@@ -116,31 +117,18 @@ struct EpCombineParams {
   float* out_w = nullptr;    // [N, K] or null
   int32_t* token_out = nullptr;
   int32_t chunk = 8;         // rows per push chunk (same on every rank: from M, R, the CTA and stage warp counts)
-  int32_t trace = 0;         // JAX_ENGRAM_EP_TRACE (see EpDispatchParams)
+  int32_t trace = 0;         // see EpDispatchParams
   int32_t trace_cta = -1;
 };
 
 // Combine push chunk (rows): each CTA owns ~`per_cta` rows, dealt round-robin to its stage warps in chunks, one
 // progress release (fence + flag) per chunk; ~8 chunks per warp, 1..32 rows each. Larger chunks leave warps idle
-// (the chunks of a source region are few and unevenly dealt): on 2xH200 at 4096 tokens (hidden 7168, 24 SMs) chunks
-// of 16 / 32 / 64 rows took 318 / 528 / 1367 us per non-expand combine against 260-269 us for 4-11 rows, and the
-// expand combine 885 us with 12 rows against 720 with 2-4 (tools/ep_knobs.py, results/ep_diagnosis_2xh200.log
-// section 21). JAX_ENGRAM_EP_COMBINE_CHUNK overrides it (diagnosis).
+// (the chunks of a source region are few and unevenly dealt).
 inline int32_t ep_push_chunk(int64_t per_cta, int64_t stage_warps) {
   const int64_t q = 8 * stage_warps;
   const int64_t c = (per_cta + q - 1) / q;
   return static_cast<int32_t>(c < 1 ? 1 : (c > 32 ? 32 : c));
 }
-
-// Diagnosis / experiment knobs, read once from the environment (host):
-//   JAX_ENGRAM_EP_TRACE         1: one printf line per kernel with its span; 2: also the phase times of CTA 0 and
-//                               the last CTA (tools/ep_trace.py)
-//   JAX_ENGRAM_EP_TRACE_CTA     the CTA traced beside CTA 0 (default: the last)
-//   JAX_ENGRAM_EP_COOPERATIVE   0: launch without the cooperative attribute (the grid is at most one CTA per SM
-//                               and co-resident anyway on an otherwise idle GPU); default 1
-int ep_trace_level();
-int ep_trace_cta();  // JAX_ENGRAM_EP_TRACE_CTA (-1 when unset)
-bool ep_cooperative_launch();
 
 // Dispatch push chunks per CTA: the CTA's token range is cut into this many chunks of (almost) equal size (sizes
 // differ by at most one token: ep_chunk_begin), dealt round-robin to the stage warps, so every stage warp pushes
@@ -154,24 +142,21 @@ inline int32_t ep_dispatch_chunks(int64_t per_cta, int64_t stage_warps) {
   if (m32 > m) m = m32;
   return static_cast<int32_t>(m * stage_warps);
 }
-// Copy-engine rows. The copy engine reaches ~390 GB/s per direction over NVLink where SM and TMA stores stop at
-// ~345 (benchmarks/probe_nvlink.cu, results/probe_tma_2xh200.log), but it cannot follow the layout: its sizes are
-// fixed when the handler enqueues it. The inbox is indexed by token, so it does not need to: when (almost) every
-// token goes to every peer (2 ranks at top-8, say), the handler copies x's N rows whole into this rank's inbox slot
-// on every peer, on a copy stream beside the kernel. Ahead of them the same stream copies the routing rows (N, topk,
-// weights, scales) and sets the slot's flag, and every receiver lays out the peer's tokens itself: each CTA runs
-// the counting sort over its own range AND the same range of every peer's tokens, one grid barrier for both. So
-// nothing but the copies crosses the link (SM-pushed routing rows queued ~50 us behind the copy traffic).
-// Unused rows cross too; the policy (cuda_ep.cc) accepts that only when the expected share is high.
+// Copy-engine rows. The copy engine moves data over NVLink faster than SM or TMA stores, but it cannot follow the
+// layout: its sizes are fixed when the host enqueues it. The inbox is indexed by token, so it does not need to: when
+// (almost) every token goes to every peer (2 ranks at top-8, say), the host copies x's N rows whole into this rank's
+// inbox slot on every peer, on a copy stream beside the kernel (ep_copy_engine.h). Ahead of them the same stream
+// copies the routing rows (N, topk, weights, scales) and sets the slot's flag, and every receiver lays out the peer's
+// tokens itself: each CTA runs the counting sort over its own range AND the same range of every peer's tokens, one
+// grid barrier for both. So nothing but the copies crosses the link (SM-pushed routing rows would queue behind the
+// copy traffic). Unused rows cross too; the policy (ep_ce_policy) accepts that only when the expected share is high.
 // The rows go in P pieces so that receivers copy while the rest is still in flight: piece j is the range offsets
 // [ep_ce_piece_begin(per, P, j), ep_ce_piece_begin(per, P, j + 1)) of EVERY CTA's token range (per =
 // ep_tokens_per_cta), one strided copy per piece, so all CTAs receive in step and the tail after the last piece is
-// 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot. Each piece + flag costs the
-// copy engine ~6 us (2xH200: copies end 174 us after the fork with 1 piece, 222 with 8), the tail shrinks with
-// more pieces: 4 measured best (results/ep_diagnosis_2xh200.log section 19).
-// Default taper: 4 pieces of 40 / 30 / 20 / 10 %. On 2xH200 at 4096 tokens (bf16, hidden 7168) against equal
-// pieces: 215.5 vs 221.1 us per dispatch (12 interleaved rounds) and 222.2 vs 226.5 (5 rounds, another machine),
-// results/ep_diagnosis_2xh200.log sections 21e, 22.
+// about 1/P of each CTA's rows; then the copy stream writes ce[j] = seq into the peer's slot. Each piece and flag
+// costs the copy engine a fixed time, more pieces shorten the tail: EPConfig.copy_engine_pieces (default 4).
+// Taper: later pieces are smaller (4 pieces of 40 / 30 / 20 / 10 %), so the receivers' copy of the last piece, the
+// call's tail, is shorter still.
 inline constexpr int kEpCeTaper = 20;
 // The pieces' bounds: ep_ce_piece_begin / ep_ce_piece_of (jax_engram/ep_layout.h).
 // Chunks per CTA with copy-engine rows: the stage warps only push routing rows, so chunks are small (~2 tokens):

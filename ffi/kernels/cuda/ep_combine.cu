@@ -23,7 +23,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
-#include "runtime/env.h"
+#include "kernels/cuda/ep_trace.h"
 
 namespace jax_engram {
 namespace ep {
@@ -108,8 +108,8 @@ __device__ __noinline__ void warp_reduce_v(uint8_t* out, const uint8_t* b0, cons
 }
 
 // out = T(-0 + a + b) for two rows and no bias (the common case: at 2 ranks every token with experts on both):
-// 8 units per lane of both rows in flight and no accumulator kept across terms, the fastest form probe_reduce found
-// (24 SMs, 4096 tokens of 14 KB: 73 us vs 83 us for the general form below, 200 us for a cp.async ring).
+// 8 units per lane of both rows in flight and no accumulator kept across terms, faster than the general form below
+// and than a cp.async ring (benchmarks/probe_reduce.cu compares them).
 template <typename T, int U>
 __device__ __noinline__ void warp_sum2_v(uint8_t* out, const uint4* sa, const uint4* sb, int64_t nbytes, int lane) {
   constexpr int NE = 16 / sizeof(T);
@@ -176,8 +176,8 @@ __device__ __noinline__ void warp_sumn_v(uint8_t* out, const RowPtrs s, int64_t 
 }
 
 // Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out.
-// Register loads: probe_reduce measured a cp.async ring through shared memory 2.4x slower than 4 units per lane of
-// two terms in registers (the ring was this kernel's default until session 4: combine 420 -> 324 us at 4096 tokens).
+// Register loads, 4 units per lane of two terms at a time: a cp.async ring through shared memory is slower
+// (benchmarks/probe_reduce.cu).
 template <typename T>
 JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
                         int64_t nbytes, int lane) {
@@ -472,8 +472,6 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
     return cudaErrorInvalidValue;
   EpCombineParams p = p0;
   p.chunk = ep_push_chunk((p.M * p.w.nranks + l.num_ctas - 1) / l.num_ctas, l.stage_warps);
-  // JAX_ENGRAM_EP_COMBINE_CHUNK (diagnosis): rows per push chunk, i.e. per progress release (fence + flag)
-  p.chunk = env_int("JAX_ENGRAM_EP_COMBINE_CHUNK", p.chunk, 1, 256);
   p.trace = ep_trace_level();
   p.trace_cta = ep_trace_cta();
   cudaLaunchConfig_t cfg = {};
@@ -485,7 +483,7 @@ cudaError_t launch_ep_combine(const EpCombineParams& p0, const EpLaunch& l, cuda
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
+  cfg.numAttrs = 1;
   int sw = l.stage_warps;
   const bool tr = p.trace > 0;
   cudaError_t e = p.dtype == EpDtype::kBF16

@@ -9,8 +9,8 @@
 //   arrive / staged counters  atomicInc(G-1) counters: the last CTA to read the seq writes it back, the last CTA
 //                             to finish pushing publishes ready;
 //   grid barrier, per-CTA counts and first-bad keys of the dispatch layout.
-// All ranks of a context launch the same number of CTAs and push warps (num_sms and JAX_ENGRAM_EP_STAGE_WARPS are
-// the same in the SPMD program): the receivers derive which progress word covers a chunk from them.
+// All ranks of a context launch the same number of CTAs and push warps (num_sms and the EPConfig's stage warps are
+// attributes of the SPMD program): the receivers derive which progress word covers a chunk from them.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -144,7 +144,7 @@ struct EpTraceLog {
 // `on`: a constant expression; false compiles every EP_TRACE / EP_TRACE_FLUSH of the kernel out (ep_trace_on_).
 #define EP_TRACE_DECL(on) constexpr bool ep_trace_on_ = (on); EpTraceLog ep_tr_; ep_tr_.n = 0
 // trace >= 1: the span of every kernel, from the first CTA's start to the last warp's end, kept in a ring in
-// EpScratch::kTraceSpan and printed 16 kernels at a time (a printf per kernel delayed the next kernel by ~15 us):
+// EpScratch::kTraceSpan and printed 16 kernels at a time (a printf per kernel would delay the next kernel):
 // start (µs within the second of the GPU's global timer), span, and the gap since the previous kernel's end.
 // trace >= 2: the phase lines too.
 inline constexpr int kTraceRing = 16;

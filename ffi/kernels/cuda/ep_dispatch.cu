@@ -1,8 +1,8 @@
 // EP dispatch and cached dispatch on CUDA: the PUSH protocol of ep_layout.h (inbox slots), one cooperative launch
 // of G = num_sms CTAs (kEpThreads threads each). NVLink carries only stores: every rank writes the rows it sends
 // straight into the slot it owns in each destination's inbox, and every receiver polls and reads only its own
-// memory. Why: benchmarks/probe_nvlink.cu on 2xH200 -- SM stores reach ~350 GB/s per direction with 8 CTAs in
-// both directions at once, remote loads cap at ~335, and remote polling by many warps competes with the data.
+// memory. Why (benchmarks/probe_nvlink.cu): SM stores reach the link rate with few CTAs in both directions at once,
+// remote loads stay below it, and remote polling by many warps competes with the data.
 //
 // Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1). CTA c owns the token range
 // ep_cta_tokens (ep.h: ~M/G each; CTA 0 none when M <= 32 G), cut into `chunk` chunks (ep_dispatch_chunks):
@@ -30,7 +30,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/ep_common.cuh"
-#include "runtime/env.h"
+#include "kernels/cuda/ep_trace.h"
 
 namespace jax_engram {
 namespace ep {
@@ -112,7 +112,7 @@ JE_DEVICE Slot slot_at(uint8_t* half_base, const EpDispatchLayout& L, int slot) 
 
 // The peers' staging bases, copied from the device array p.w.st_peers into shared memory at the kernel's start
 // (cache_peer_bases) when there are at most kPeerCache ranks: every push and release computes a peer's slot, and
-// each global load of its base added a dependent round trip (~0.7 us under load) to the 128-token dispatch's chain.
+// each global load of its base would add a dependent round trip to a small dispatch's critical path.
 constexpr int kPeerCache = 8;
 __shared__ uint8_t* sh_st_peers[kPeerCache];
 
@@ -247,9 +247,8 @@ JE_DEVICE void push_token(const EpDispatchParams& p, const Half& own, uint64_t h
 // Stage warp `warp` of SW: chunk li = warp, warp + SW, ... of the CTA's range [t0, t0 + len) (tokens below te),
 // token by token (push_token; destination positions pos_of(t, d)); a progress release after each non-empty chunk,
 // counting empty chunks too (the receivers wait for li / SW + 1). Copy-engine rows: the routing rows only, released
-// once: under the copy engine's traffic each release waited for this warp's small stores to cross a saturated link
-// (~11 us a chunk on 2xH200: a 4096-token call's routing rows took the stage warps ~250 us), and the receivers
-// waited for them.
+// once: under the copy engine's traffic each release waits for this warp's small stores to cross a saturated link,
+// and the receivers would wait for them.
 template <typename PosOf>
 JE_DEVICE void push_chunks(const EpDispatchParams& p, const Half& own, uint64_t hoff, uint64_t seq, int t0, int len,
                            int te, int warp, int SW, bool meta, PosOf pos_of, int lane) {
@@ -285,8 +284,7 @@ JE_DEVICE void zero_padding_rows(const EpDispatchParams& p, const Tables& tb, in
 
 // Lanes k < K of a token (expert id, dest rank d, valid): dup = an earlier lane holds the same valid id; master =
 // the highest valid lane with this d (the lane that counts the token once for d). K shuffles rather than
-// __match_any_sync: the layout's loops walk tokens one after the other, and two match.any per token made pass 1
-// take ~10 us at 4096 tokens (171 tokens per CTA).
+// __match_any_sync: the layout's loops walk tokens one after the other, and two match.any per token are slower.
 JE_DEVICE void token_lanes(int id, int d, bool valid, int K, int lane, bool* dup, bool* master) {
   bool du = false, ma = valid;
   for (int j = 0; j < K; ++j) {
@@ -301,7 +299,7 @@ JE_DEVICE void token_lanes(int id, int d, bool valid, int K, int lane, bool* dup
 JE_DEVICE int align32(int x, int A) { return A == 1 ? x : (x + A - 1) / A * A; }
 
 // Exclusive scan out[i] = sum_{j<i} v(i) for i < n by ONE warp (each lane a run of consecutive entries); returns
-// the total. Why not one thread: a serial loop over 256 experts with 64-bit divisions took ~50 us under load.
+// the total. Why not one thread: a serial loop over hundreds of experts with 64-bit divisions is slow under load.
 template <typename F>
 JE_DEVICE int warp_exclusive_scan(int n, F v, int* out, int lane) {
   const int per = (n + 31) / 32;
@@ -376,9 +374,9 @@ JE_DEVICE void pull_token(const EpDispatchParams& p, const Tables& tb, const Hal
 }
 
 // kCe: copy-engine rows (p.ce_pieces > 0), with the receivers' layout of the peers' tokens. A template parameter so
-// that the SM-store kernel carries none of that code: sharing one kernel cost the 128-token dispatch ~3 us
-// (results/ep_diagnosis_2xh200.log section 20; more registers spilled). kTrace: the JAX_ENGRAM_EP_TRACE code
-// (p.trace > 0 launches that instantiation), ~1.9 k of the kernel's ~14 k instructions otherwise.
+// that the SM-store kernel carries none of that code (a shared kernel spills more registers and slows small
+// dispatches). kTrace: the JAX_ENGRAM_EP_TRACE code (p.trace > 0 launches that instantiation; ep_trace.h), so the
+// untraced kernels carry none of it.
 template <bool kCe, bool kTrace>
 __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatchParams p, int SW) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -424,7 +422,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   int t0, t1;
   ep_cta_tokens(M, G, c, &t0, &t1);
   // The range's topk rows, loaded once with every load in flight: both layout passes walk their tokens one after
-  // the other, and a global load per token made each pass a chain of round trips (~11 us at 4096 tokens).
+  // the other, and a global load per token would make each pass a chain of round trips.
   int* tk_cache = p.smem_topk >= 0 ? reinterpret_cast<int*>(smem + p.smem_topk) : nullptr;
   if (tk_cache)
     for (int q = tid; q < (min(t1, N) - t0) * K; q += blockDim.x) tk_cache[q] = __ldg(p.topk + static_cast<int64_t>(t0) * K + q);
@@ -962,7 +960,7 @@ cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatch
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = ep_cooperative_launch() ? 1 : 0;
+  cfg.numAttrs = 1;
   int sw = l.stage_warps;
   e = cudaLaunchKernelEx(&cfg, kernel, p, sw);
   if (e != cudaSuccess) return e;
@@ -971,20 +969,6 @@ cudaError_t launch(void (*kernel)(const EpDispatchParams, int), const EpDispatch
 
 }  // namespace
 }  // namespace ep
-
-// Trace knobs: read once (the kernels' printf buffers are sized at the first launch). The cooperative attribute: per
-// launch, so tools/ep_knobs.py can A/B it in one process.
-int ep_trace_level() {
-  static const int v = env_int("JAX_ENGRAM_EP_TRACE", 0, 0, 2);
-  return v;
-}
-
-int ep_trace_cta() {
-  static const int v = env_int("JAX_ENGRAM_EP_TRACE_CTA", -1, -1, kEpMaxCtas - 1);
-  return v;
-}
-
-bool ep_cooperative_launch() { return env_int("JAX_ENGRAM_EP_COOPERATIVE", 1, 0, 1) != 0; }
 
 int64_t ep_dispatch_smem_bytes(int R, int E, bool ce, int* layout_warps, int* tables_offset, int* peer_offset) {
   if (R < 1 || E < R) return -1;
