@@ -76,8 +76,7 @@ ffi::Error EpDispatchCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_sca
   EpShapes sh;
   JE_CHECK(check_dispatch(op, m, x, x_scales, topk_idx, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_idx,
                           *recv_topk_weights, *psum_rank, *psum_expert, *unaligned, *recv_src_metadata, *dst_row,
-                          *num_recv_tokens, *group_sizes, *token_out, num_experts, at.max_tokens_per_rank, expand,
-                          expert_alignment, at.zero_padding, &sh));
+                          *num_recv_tokens, *group_sizes, *token_out, at, &sh));
   copy_token(token, *token_out);
   Allocation* a;
   JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
@@ -114,8 +113,7 @@ ffi::Error EpDispatchCachedCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
   EpShapes sh;
   JE_CHECK(check_dispatch_cached(op, m, x, x_scales, topk_weights, recv_src_metadata, psum_rank, psum_expert,
                                  unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                                 num_experts, at.max_tokens_per_rank, expand, expert_alignment, at.zero_padding,
-                                 &sh));
+                                 at, &sh));
   copy_token(token, *token_out);
   Allocation* a;
   JE_CHECK(dispatch_region(m, op, sh, alloc_id, offset, &a));
@@ -142,8 +140,7 @@ ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_w
   Member& m = s.member();
   EpShapes sh;
   JE_CHECK(check_combine(op, m, y, topk_weights, bias0, bias1, recv_src_metadata, dst_row, topk_idx, psum_rank, token,
-                         *combined_x, *combined_topk_weights, *token_out, num_experts, at.max_tokens_per_rank, expand,
-                         &sh));
+                         *combined_x, *combined_topk_weights, *token_out, at, &sh));
   copy_token(token, *token_out);
   const Common& c = sh.c;
   const int64_t N = sh.N, H = sh.H, K = sh.K, rows = sh.rows, row_bytes = sh.row_bytes;

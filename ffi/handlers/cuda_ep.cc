@@ -181,8 +181,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
   EpShapes sh;  // the kernel copies the token (CTA 0)
   JE_CHECK(check_dispatch(op, m, x, x_scales, topk_idx, topk_weights, token, *recv_x, *recv_x_scales, *recv_topk_idx,
                           *recv_topk_weights, *psum_rank, *psum_expert, *unaligned, *recv_src_metadata, *dst_row,
-                          *num_recv_tokens, *group_sizes, *token_out, at.num_experts, at.max_tokens_per_rank,
-                          at.expand, at.expert_alignment, at.zero_padding, &sh));
+                          *num_recv_tokens, *group_sizes, *token_out, at, &sh));
   CudaDeviceGuard g(ordinal);
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, at, x, x_scales, topk_weights, token, *recv_x, *recv_x_scales,
@@ -218,8 +217,7 @@ ffi::Error EpDispatchCachedCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   EpShapes sh;
   JE_CHECK(check_dispatch_cached(op, m, x, x_scales, topk_weights, recv_src_metadata, psum_rank, psum_expert,
                                  unaligned, dst_row, token, *recv_x, *recv_x_scales, *recv_topk_weights, *token_out,
-                                 at.num_experts, at.max_tokens_per_rank, at.expand, at.expert_alignment,
-                                 at.zero_padding, &sh));
+                                 at, &sh));
   CudaDeviceGuard g(ordinal);
   DispatchLaunch d;
   JE_CHECK(prepare_dispatch(m, op, g, sh, at, x, x_scales, topk_weights, token, *recv_x, *recv_x_scales,
@@ -247,8 +245,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   Member& m = s.member();
   EpShapes sh;
   JE_CHECK(check_combine(op, m, y, topk_weights, bias0, bias1, recv_src_metadata, dst_row, topk_idx, psum_rank, token,
-                         *combined_x, *combined_topk_weights, *token_out, at.num_experts, at.max_tokens_per_rank,
-                         at.expand, &sh));
+                         *combined_x, *combined_topk_weights, *token_out, at, &sh));
   const Common& c = sh.c;
   const int64_t N = sh.N, H = sh.H, K = sh.K, rows = sh.rows, row_bytes = sh.row_bytes;
   const bool has_w = sh.has_w, has_b0 = sh.has_b0, has_b1 = sh.has_b1;

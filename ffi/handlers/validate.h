@@ -6,6 +6,7 @@
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/ep_bindings.h"
 #include "jax_engram/ep_layout.h"
 
 namespace jax_engram {
@@ -183,12 +184,13 @@ inline ffi::Error check_dispatch(int32_t op, Member& m, const ffi::AnyBuffer& x,
                                  const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& unaligned,
                                  const ffi::AnyBuffer& recv_src_metadata, const ffi::AnyBuffer& dst_row,
                                  const ffi::AnyBuffer& num_recv_tokens, const ffi::AnyBuffer& group_sizes,
-                                 const ffi::AnyBuffer& token_out, int64_t num_experts, int64_t M, int64_t expand,
-                                 int64_t A, int64_t zero_padding, EpShapes* s) {
+                                 const ffi::AnyBuffer& token_out, const EpDispatchAttrs& at, EpShapes* s) {
+  const int64_t expand = at.expand;
   if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
   if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
   const int64_t K = topk_idx.dimensions()[1];
-  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
+  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, at.num_experts, at.max_tokens_per_rank, expand,
+                                at.expert_alignment, at.zero_padding, s));
   const Common& c = s->c;
   JE_CHECK(check(op, "topk_idx", topk_idx, {s->N, K}, {DT::S32}));
   JE_CHECK(check(op, "recv_topk_idx", recv_topk_idx, {expand ? 0 : s->rows_tok, K}, {DT::S32}));
@@ -206,13 +208,14 @@ inline ffi::Error check_dispatch_cached(int32_t op, Member& m, const ffi::AnyBuf
                                         const ffi::AnyBuffer& unaligned, const ffi::AnyBuffer& dst_row,
                                         const ffi::AnyBuffer& token, const ffi::AnyBuffer& recv_x,
                                         const ffi::AnyBuffer& recv_x_scales, const ffi::AnyBuffer& recv_topk_weights,
-                                        const ffi::AnyBuffer& token_out, int64_t num_experts, int64_t M,
-                                        int64_t expand, int64_t A, int64_t zero_padding, EpShapes* s) {
+                                        const ffi::AnyBuffer& token_out, const EpDispatchAttrs& at, EpShapes* s) {
+  const int64_t expand = at.expand;
   if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, hidden], got " + shape_str(x));
   if (recv_src_metadata.dimensions().size() != 2)
     return op_error(op, "recv_src_metadata must be 2-D [R*M, K+2], got " + shape_str(recv_src_metadata));
   const int64_t K = recv_src_metadata.dimensions()[1] - 2;
-  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, num_experts, M, expand, A, zero_padding, s));
+  JE_CHECK(check_dispatch_input(op, m, x, x_scales, topk_weights, K, at.num_experts, at.max_tokens_per_rank, expand,
+                                at.expert_alignment, at.zero_padding, s));
   JE_CHECK(check_rows_and_handle(op, *s, x, x_scales, recv_x, recv_x_scales, recv_topk_weights, psum_rank, psum_expert,
                                  unaligned, recv_src_metadata, dst_row, expand != 0));
   return check_token(op, token, token_out);
@@ -226,14 +229,15 @@ inline ffi::Error check_combine(int32_t op, Member& m, const ffi::AnyBuffer& y, 
                                 const ffi::AnyBuffer& topk_idx, const ffi::AnyBuffer& psum_rank,
                                 const ffi::AnyBuffer& token, const ffi::AnyBuffer& combined_x,
                                 const ffi::AnyBuffer& combined_topk_weights, const ffi::AnyBuffer& token_out,
-                                int64_t num_experts, int64_t M, int64_t expand, EpShapes* s) {
+                                const EpCombineAttrs& at, EpShapes* s) {
+  const int64_t expand = at.expand;
   if (y.dimensions().size() != 2) return op_error(op, "y must be 2-D [rows, hidden], got " + shape_str(y));
   if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
   const int64_t H = y.dimensions()[1], N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
   s->N = N;
   s->H = H;
   s->K = K;
-  JE_CHECK(check_config(op, m, num_experts, M, 0, 1, N, K, &s->c));
+  JE_CHECK(check_config(op, m, at.num_experts, at.max_tokens_per_rank, 0, 1, N, K, &s->c));
   const Common& c = s->c;
   s->rows_tok = c.R * c.M;
   s->rows = y.dimensions()[0];
