@@ -55,8 +55,9 @@ def test_oversubscribed_ep(launch, ranks):
 def test_oversubscribed_ep_copy_engine_rows(launch, ranks):
     # copy-engine rows forced on (3 pieces, so pieces cut the CTA token ranges unevenly): every receiver lays out
     # R - 1 peers' tokens from their whole x
-    res = launch(ranks, EP_WORKER, args=("--suite", "cases,cache,gradne"), platform="cuda", timeout=_TIMEOUT,
-                 env=_shared({"JAX_ENGRAM_EP_DISPATCH_CE": "1", "JAX_ENGRAM_EP_CE_PIECES": "3"}))
+    res = launch(ranks, EP_WORKER, args=("--suite", "cases,cache,gradne", "--ep-config",
+                                         "dispatch_copy_engine=always,copy_engine_pieces=3"),
+                 platform="cuda", timeout=_TIMEOUT, env=_shared())
     assert all(r["dispatch_path"] == "copy engine (3 pieces)" for r in res), [r["dispatch_path"] for r in res]
     _ep_all_pass(res, ranks, min_checks=6)
 
