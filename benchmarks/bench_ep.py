@@ -443,14 +443,14 @@ def main():
                     expand = lname == "expand"
                     A = ARGS.alignment if expand else 1
                     path = ctx.dispatch_path(max_tokens_per_rank=N, hidden_bytes=H * np.dtype(_dtype(dname)).itemsize,
-                                             topk=K, num_experts=E, expand=expand)
+                                             topk=K, num_experts=E)
                     variants = [(sms, path, None) for sms in sms_list]
                     if sweep_here and on_gpu and not ARGS.no_sm_compare:  # the other path, same run
                         other = jax_engram.EPConfig(dispatch_copy_engine="never" if path.startswith("copy engine")
                                                     else "always")
                         variants.insert(1, (ARGS.sms, ctx.dispatch_path(
                             max_tokens_per_rank=N, hidden_bytes=H * np.dtype(_dtype(dname)).itemsize, topk=K,
-                            num_experts=E, expand=expand, config=other), other))
+                            num_experts=E, config=other), other))
                     for sms, path_v, config in variants:
                         r = time_ours(ctx, mesh, inputs, N=N, E=E, expand=expand, A=A, num_sms=sms,
                                       do_check=not ARGS.no_check, config=config)  # every reported configuration
