@@ -43,13 +43,14 @@ def _run_single(extra_args=(), env=None, timeout=600):
 
 
 def test_two_processes_all_cases_grads_errors(launch, ref_dir):
-    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,lanes,errors", "--ref-dir", ref_dir),
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,lanes,config,errors", "--ref-dir", ref_dir),
                  platform="cpu", timeout=900)
     assert len(res) == 2 and all(r["devices"] == 2 and r["processes"] == 2 for r in res)
     _assert_all_pass(res, min_checks=25)
     for name in ("case_expand_e8_k8_a128_zp_unbal_bias2", "case_nonexpand_e64_k1_fp8_p1_bias2",
                  "case_expand_h7168_k8_bias2", "jit_cache_hit_when_token_count_changes", "moe_grad_bfloat16",
-                 "grad_nonexpand_dispatch_combine", "lanes_interleaved", "error_duplicate_expert_names_token",
+                 "grad_nonexpand_dispatch_combine", "lanes_interleaved", "ep_config_attributes_and_cache_key",
+                 "error_duplicate_expert_names_token",
                  "error_init_cuda_graphs_not_bool"):
         assert name in res[0]["checks"], name
 
