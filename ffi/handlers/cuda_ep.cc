@@ -129,7 +129,8 @@ ffi::Error prepare_dispatch(Member& m, int32_t op, const CudaDeviceGuard& g, con
   // The copy-engine choice was made in Python (ctx.dispatch_path): here only what the hardware and the target allow.
   const int64_t ce = at.copy_pieces;
   if (ce < 0 || ce > kEpCeMaxPieces)
-    return op_error(op, "copy_pieces=" + std::to_string(ce) + " must be in [0, " + std::to_string(kEpCeMaxPieces) + "]");
+    return op_error(op, "copy_pieces=" + std::to_string(ce) + " must be in [0, " + std::to_string(kEpCeMaxPieces) +
+                            "]");
   if (ce > 0 && graph)
     return op_error(op, "copy-engine rows cannot run on a graph target (they need the handler on every call)",
                     ffi::ErrorCode::kFailedPrecondition);

@@ -81,7 +81,7 @@ void bind_runtime(nb::module_& m, const char* platform) {
     m.attr("engram_layout") = eg;
   }
   // Test hooks: the CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h), which the
-  // handler (copy sizes) and the kernels (waits, chunk words) must agree on; whole tables per call.
+  // host (copy sizes) and the kernels (waits, chunk words) must agree on; whole tables per call.
   m.def("ep_cta_table", [](int M, int G) {  // ([t0 per CTA], [t1 per CTA], [CTA of token t], tokens per CTA)
     std::vector<int> t0(G), t1(G), of(M);
     for (int c = 0; c < G; ++c) ep_cta_tokens(M, G, c, &t0[c], &t1[c]);

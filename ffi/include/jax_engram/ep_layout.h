@@ -204,7 +204,7 @@ JE_HD int ep_chunk_of(int t, int t0, int len, int nch) {
 
 // Taper tau (0 = equal pieces): piece j's share is (100 + tau (P - 1 - 2 j)) / (100 P), so
 // later pieces are smaller (P = 4, tau = 20: 40 / 30 / 20 / 10 %) and the receivers' copy of the last one, the tail
-// of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the handler's copies and the
+// of the call, shrinks; tau (P - 1) < 100 keeps every share positive. Integers only: the host's copies and the
 // kernel's waits must agree exactly.
 JE_HD int ep_ce_piece_begin(int per, int P, int j, int tau = 0) {
   return static_cast<int>(static_cast<int64_t>(per) * j * (100 + tau * (P - j)) / (100 * static_cast<int64_t>(P)));

@@ -1,5 +1,5 @@
 // Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu): parameter blocks and launchers.
-// Plain C++ (no device code): included by handlers/cuda_ep.cc.
+// Plain C++ (no device code): included by handlers/cuda_ep.cc and the host orchestration (ep_copy_engine.cc).
 //
 // Both ops are ONE cooperative launch of `num_sms` CTAs each (push protocol: ep_layout.h, ep_dispatch.cu,
 // ep_combine.cu), warp-specialised:
