@@ -390,6 +390,7 @@ def suite_quick(ctx):
 def suite_config(ctx):
     check("ep_config_attributes_and_cache_key", lambda: _config_check(ctx))
     check("ep_config_type_errors", _config_type_check)
+    check("ep_config_handler_safety_net", _config_safety_net_check)
 
 
 def _config_check(ctx):
@@ -421,6 +422,37 @@ def _config_check(ctx):
     path = ctx.dispatch_path(max_tokens_per_rank=M, hidden_bytes=H * 2, topk=K, num_experts=E, config=cfg)
     want_path = "pull (CPU)" if ctx.platform == "cpu" else "SM stores"
     return same and path == want_path, f"path={path}, same results: {same}"
+
+
+def _config_safety_net_check():
+    """The handlers check the tuning attributes again (a safety net behind Python's validation): a dispatch asking
+    for copy-engine rows on CPU, or for more push warps than a CTA has on CUDA, fails naming the attribute."""
+    from jax_engram import _call
+
+    E, K, M, H = 4 * R, 2, 8, 128
+    real = _call.call
+    cpu = devices[0].platform == "cpu"
+    bad, needle = (("copy_pieces", 3), "no copy-engine path") if cpu else (("stage_warps", 16), "stage_warps=16")
+
+    def patched(ctx_, tgt, results, *ops, **attrs):
+        if tgt.startswith("jax_engram_ep_dispatch"):
+            attrs[bad[0]] = bad[1]
+        return real(ctx_, tgt, results, *ops, **attrs)
+
+    c = je.init(mesh, "ep", ep_config=EPC, timeout_s=args.timeout)
+
+    def body(x, i):
+        return ep.dispatch(x[0], i[0], ctx=c, num_experts=E, max_tokens_per_rank=M).recv_x[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
+    x = np.ones((R, M, H), jnp.bfloat16)
+    idx = np.tile(np.array([[0, 1]], np.int32), (R, M, 1))
+    _call.call = patched
+    try:
+        return expect_error(lambda: jax.block_until_ready(f(shard(x), shard(idx))), needle)
+    finally:
+        _call.call = real
+        c.close()
 
 
 def _config_type_check():
