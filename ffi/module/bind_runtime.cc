@@ -157,6 +157,19 @@ void bind_runtime(nb::module_& m, const char* platform) {
   m.def("alloc_free", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
     check(registry().free_alloc(ctx, ordinal, alloc_id));
   }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("alloc_info", [](int64_t ctx, int32_t ordinal, int64_t alloc_id) {
+    Member* mem = registry().find(ctx, ordinal);
+    if (!mem) throw std::runtime_error("no such member");
+    Allocation* a = mem->alloc(alloc_id);
+    if (!a) throw std::runtime_error("no such allocation");
+    nb::dict d;
+    d["local"] = reinterpret_cast<uintptr_t>(a->local);
+    std::vector<uintptr_t> peers;
+    for (auto* p : a->peers) peers.push_back(reinterpret_cast<uintptr_t>(p));
+    d["peers"] = peers;
+    d["total_bytes"] = a->total_bytes;
+    return d;
+  });
   m.def("error", [](int64_t ctx, int32_t ordinal) -> nb::object {
     Member* mem = registry().find(ctx, ordinal);
     if (!mem || !mem->error_host || mem->error_host->code <= 0) return nb::none();
