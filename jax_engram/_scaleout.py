@@ -364,6 +364,7 @@ def _checked(ctx, ids, total, after):
 
     from jax.experimental import io_callback
 
+    _call.require_host_callbacks("EngramTable.fetch (mode='checked')")
     st = io_callback(cb, jax.ShapeDtypeStruct((), jnp.int32), any_bad, pos, flat[pos], rank, dep[0])
     return jnp.where(any_bad, pos, st)
 

@@ -429,6 +429,7 @@ class EngramTable:
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
                                         *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
         if pending.check_total:
+            _call.require_host_callbacks("EngramTable.wait (mode='checked')")
             # A host callback after the reads: it fails this call (the execution) with the bad id, once; the
             # table and the context stay usable (the check records nothing in the context).
             jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), pending.status,

@@ -524,6 +524,7 @@ def _routing_errors(topk_idx, num_experts: int, ctx):
         kind = jnp.where(oob_tok[t], 1, jnp.where(dup_tok[t], 2, 0))
         rec = jnp.stack([kind.astype(topk_idx.dtype), t.astype(topk_idx.dtype),
                          jnp.where(kind == 1, v_oob, v_dup), jnp.zeros((), topk_idx.dtype)])
+    _call.require_host_callbacks("dispatch(validate_routing=True)")
     everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
     zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
                              jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))

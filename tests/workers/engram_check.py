@@ -65,7 +65,7 @@ if cfg is None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     elif args.platform == "cuda":
-        jax.config.update("jax_platforms", "cuda")
+        jax.config.update("jax_platforms", "cuda,cpu")  # cpu: host callbacks (checked mode)
 
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402

@@ -54,7 +54,7 @@ if "JAX_ENGRAM_NUM_PROCESSES" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     elif args.platform in ("gpu", "cuda"):
-        jax.config.update("jax_platforms", "cuda")
+        jax.config.update("jax_platforms", "cuda,cpu")  # cpu: host callbacks (checked mode)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402

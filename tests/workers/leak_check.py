@@ -27,7 +27,7 @@ args = ap.parse_args()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402
 
-jax.config.update("jax_platforms", args.platform)
+jax.config.update("jax_platforms", "cuda,cpu" if args.platform == "cuda" else "cpu")
 if args.platform == "cpu":
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
