@@ -364,6 +364,8 @@ def _checked(ctx, ids, total, after):
 
     from jax.experimental import io_callback
 
+    from jax_engram import _call
+
     _call.require_host_callbacks("EngramTable.fetch (mode='checked')")
     st = io_callback(cb, jax.ShapeDtypeStruct((), jnp.int32), any_bad, pos, flat[pos], rank, dep[0])
     return jnp.where(any_bad, pos, st)

@@ -70,7 +70,14 @@ def test_init_close_and_failed_init_leak_nothing_cpu():
 @pytest.mark.gpu(1)
 def test_init_close_and_failed_init_leak_nothing_gpu():
     res = _result(_run("leak_check.py", "--platform", "cuda", "--cycles", "20", env={"CUDA_VISIBLE_DEVICES": "0"}))
-    _assert_no_leaks(res, 20)
+    # On CUDA the driver and NCCL create a few threads and mappings of their own the first times they are used
+    # (seen: 1 thread over 22 cycles), so the GPU check is per cycle: nothing may grow over the last
+    # 10 cycles, nor through the failed init.
+    for part in ("steady", "failed_init_leaks"):
+        for k in ("fds", "memfd_maps", "nvidia_maps", "py_threads", "os_threads", "listening_sockets"):
+            assert res[part][k] == 0, f"{k} grew ({part}): {res}"
+    assert res["failed_init"], "a window of 2**50 bytes did not fail init"
+    assert res["live_contexts"] == 0
     # VMM memory is not in /proc/self/maps: the GPU's free memory must come back (within 64 MiB of XLA noise).
     assert res["leaks"]["gpu_free_bytes_lost"] < 64 << 20, res
 
