@@ -20,7 +20,14 @@
 #include <string>
 #include <vector>
 
-#include "probe_common.cuh"
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
 
 constexpr int kThreads = 512;
 constexpr size_t kRow = 14336;
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) burst_kernel(Args a) {
     a.seen[a.it] = gtimer();
   }
 }
+
 
 // The shape of a latency dispatch with roles split over SMs: Gp pusher CTAs store the rows into the peer's inbox
 // (fence, one bump each on the peer's data counter); one control CTA stores 8 KB of routing rows to the peer at
@@ -200,37 +208,6 @@ struct Dev {
 static Dev g[2];
 static unsigned long long g_seq = 0;
 
-// Cooperative launch (or not) of `kernel` on G CTAs of kThreads on `st`.
-template <typename A>
-static void launch(void (*kernel)(A), const A& a, int G, cudaStream_t st, bool coop) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(G);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = coop ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, kernel, a));
-}
-
-// End of a timed loop on GPU i: us per call between its events, or exit when a kernel's wait timed out.
-static double finish(int i, int iters) {
-  CK(cudaSetDevice(i));
-  CK(cudaEventRecord(g[i].e1, g[i].st));
-  CK(cudaStreamSynchronize(g[i].st));
-  int err = 0;
-  CK(cudaMemcpy(&err, g[i].err, 4, cudaMemcpyDeviceToHost));
-  if (err) {
-    std::printf("probe_burst: a wait timed out\n");
-    std::exit(1);
-  }
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, g[i].e0, g[i].e1));
-  return ms * 1e3 / iters;
-}
-
 static double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -252,13 +229,34 @@ static void run(int G, int W, size_t unit, size_t bytes, bool load, bool coop, i
       if (it == warm) CK(cudaEventRecord(g[i].e0, g[i].st));
       Args a{g[i].src, g[1 - i].inbox, g[1 - i].ctr, g[i].ctr, g[i].ts, g[i].seen, g[i].err, bytes, unit, W, G, it,
              g_seq};
-      launch(load ? burst_kernel<true> : burst_kernel<false>, a, G, g[i].st, coop);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(G);
+      cfg.blockDim = dim3(kThreads);
+      cfg.stream = g[i].st;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = coop ? 1 : 0;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (load) CK(cudaLaunchKernelEx(&cfg, burst_kernel<true>, a));
+      else CK(cudaLaunchKernelEx(&cfg, burst_kernel<false>, a));
     }
   }
   double per_call[2];
   std::vector<double> issued, fenced, seen, gapv;
   for (int i = 0; i < 2; ++i) {
-    per_call[i] = finish(i, iters);
+    CK(cudaSetDevice(i));
+    CK(cudaEventRecord(g[i].e1, g[i].st));
+    CK(cudaStreamSynchronize(g[i].st));
+    int err = 0;
+    CK(cudaMemcpy(&err, g[i].err, 4, cudaMemcpyDeviceToHost));
+    if (err) {
+      std::printf("probe_burst: a wait timed out\n");
+      std::exit(1);
+    }
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, g[i].e0, g[i].e1));
+    per_call[i] = ms * 1e3 / iters;
     std::vector<unsigned long long> ts(static_cast<size_t>(warm + iters) * G * 3), sn(warm + iters);
     CK(cudaMemcpy(ts.data(), g[i].ts, ts.size() * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(sn.data(), g[i].seen, sn.size() * 8, cudaMemcpyDeviceToHost));
@@ -286,6 +284,7 @@ static void run(int G, int W, size_t unit, size_t bytes, bool load, bool coop, i
   std::fflush(stdout);
 }
 
+
 static void run_pipe(int Gp, int Gr, int join, size_t bytes, int iters) {
   const int warm = 10, G = Gp + Gr;
   for (int i = 0; i < 2; ++i) {
@@ -302,13 +301,33 @@ static void run_pipe(int Gp, int Gr, int join, size_t bytes, int iters) {
       if (it == warm) CK(cudaEventRecord(g[i].e0, g[i].st));
       PipeArgs a{g[i].src, g[1 - i].inbox, g[i].inbox, g[i].out, g[1 - i].ctr, g[i].ctr, g[1 - i].ctl, g[i].ctl,
                  g[1 - i].ctl_rows, g[i].ts, g[i].err, bytes, Gp, join, it, seq};
-      launch(pipe_kernel, a, G, g[i].st, true);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(G);
+      cfg.blockDim = dim3(kThreads);
+      cfg.stream = g[i].st;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, pipe_kernel, a));
     }
   }
   double per_call = 0;
   std::vector<double> ctl, data, copied;
   for (int i = 0; i < 2; ++i) {
-    per_call += 0.5 * finish(i, iters);
+    CK(cudaSetDevice(i));
+    CK(cudaEventRecord(g[i].e1, g[i].st));
+    CK(cudaStreamSynchronize(g[i].st));
+    int err = 0;
+    CK(cudaMemcpy(&err, g[i].err, 4, cudaMemcpyDeviceToHost));
+    if (err) {
+      std::printf("probe_burst: a wait timed out\n");
+      std::exit(1);
+    }
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, g[i].e0, g[i].e1));
+    per_call += 0.5 * ms * 1e3 / iters;
     std::vector<unsigned long long> ts(static_cast<size_t>(warm + iters) * G * 4);
     CK(cudaMemcpy(ts.data(), g[i].ts, ts.size() * 8, cudaMemcpyDeviceToHost));
     for (int it = warm; it < warm + iters; ++it) {

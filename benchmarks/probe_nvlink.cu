@@ -23,7 +23,14 @@
 #include <string>
 #include <vector>
 
-#include "probe_common.cuh"
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
 
 #define CU(x)                                                                               \
   do {                                                                                      \

@@ -14,7 +14,14 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "probe_common.cuh"
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
 
 constexpr int kTokens = 4096, kRowBytes = 7168 * 2, kUnits = kRowBytes / 16;
 
