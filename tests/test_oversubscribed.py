@@ -83,7 +83,7 @@ def test_oversubscribed_foundation(launch, ranks):
 
 
 @pytest.mark.gpu(1)
-def test_oversubscribed_context_reports_and_refuses_nccl(launch):
+def test_oversubscribed_context_reports_and_refuses_nccl(launch, tmp_path):
     """A context whose ranks share a GPU says so (ranks_per_gpu) and refuses the NCCL diagnosis with a clear error
     instead of hanging in NCCL's duplicate-GPU check."""
     code = (
@@ -96,12 +96,9 @@ def test_oversubscribed_context_reports_and_refuses_nccl(launch):
         "    refused = str(e)\n"
         "launch.emit_result({'ranks_per_gpu': ctx.info()['ranks_per_gpu'], 'refused': refused})\n"
         "ctx.close(); launch.shutdown()\n")
-    script = REPO_ROOT / "tests" / "workers" / "_oversub_probe.py"
+    script = tmp_path / "oversub_probe.py"
     script.write_text(code)
-    try:
-        res = launch(3, str(script), platform="cuda", timeout=300, env=_shared())
-    finally:
-        script.unlink(missing_ok=True)
+    res = launch(3, str(script), platform="cuda", timeout=300, env=_shared())
     want = -(-3 // max(gpu_count(), 1))
     for out in res:
         assert out["ranks_per_gpu"] == want, out
