@@ -149,14 +149,16 @@ def time_per_call(make: Callable[[int], Callable], args: tuple, n1: int, n2: int
                 t1_us=t1, t2_us=t2, per_call_us_n2=t2 / n2, samples_n1=s1, samples_n2=s2)
 
 
-def time_loop_per_call(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: int = 10) -> dict:
+def time_loop_per_call(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: int = 10,
+                       compiler_options: dict | None = None) -> dict:
     """``time_loop``'s loop (``step_fn`` on the carry, ``n`` and ``3n`` times in one jitted ``lax.fori_loop``),
     timed per step by ``time_per_call``'s slope: the program's fixed overhead cancels instead of adding
-    overhead / n to every step. Same contract for ``step_fn`` as ``time_loop``."""
+    overhead / n to every step. Same contract for ``step_fn`` as ``time_loop``; ``compiler_options`` go to
+    ``jax.jit`` (XLA debug options by name)."""
     n = max(int(n), 1)
 
     def make(m):
-        return jax.jit(lambda c: lax.fori_loop(0, m, lambda i, c: step_fn(c), c))
+        return jax.jit(lambda c: lax.fori_loop(0, m, lambda i, c: step_fn(c), c), compiler_options=compiler_options)
     return time_per_call(make, (carry,), n, 3 * n, warmup=warmup, iters=iters)
 
 

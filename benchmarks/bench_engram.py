@@ -26,7 +26,8 @@ elementwise kernel) so that XLA cannot hoist the loop-invariant lookup.
 
 --overlap (issue 20: a fetch that leaves the GPU to the model): X = compute that saturates the SMs -- a bf16
 GEMM (jnp.dot, --gemm-n) and the MoE expert GEMMs (two jax.lax.ragged_dot with a SiLU between, --moe-rows rows
-over 8 experts, hidden 7168, 2048 wide) -- and a fetch sized to take as long as X alone. Per X, in one run:
+over 8 experts, hidden 7168, 2048 wide), each also as "<X>_triton" (XLA's Triton GEMMs, ordinary tiled grids,
+instead of cuBLAS's persistent kernels) -- and a fetch sized to take as long as X alone. Per X, in one run:
 t(X alone); t(X with an overlapped fetch) for the bulk-copy gather on --num-sms SMs ("tma", the default of
 fetch) and the full-grid gather ("sm"); the same X beside the JAX alternatives (jnp.take on the table in
 pinned host memory via compute_on("device_host"), and the all_to_all lookup of a device table); "sm_few" (the
@@ -458,11 +459,32 @@ def _x_inputs():
 _EW_PASSES = 12
 
 
-_X_KINDS = ("gemm", "moe", "ew")
+# "<kind>_triton": the same X compiled with XLA's cuBLAS fallback off, so its GEMMs are XLA's Triton kernels
+# (ordinary tiled grids, one CTA per output tile) instead of cuBLAS's persistent ones; the compiled program's GEMM
+# kernels are reported with the row.
+_X_KINDS = ("gemm", "gemm_triton", "moe", "moe_triton", "ew")
+_X_OPTS = {"gemm_triton": {"xla_gpu_cublas_fallback": False}, "moe_triton": {"xla_gpu_cublas_fallback": False}}
+
+
+def _base(kind):
+    return kind.removesuffix("_triton")
+
+
+def _gemm_kernels(step, carry, copts):
+    """Which GEMM implementations the compiled step uses (from its optimized HLO): cuBLAS / Triton counts."""
+    try:
+        txt = jax.jit(step, compiler_options=copts).lower(carry).compile().as_text()
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"unknown ({type(e).__name__})"
+    import re
+    cublas = len(re.findall(r'custom_call_target="__cublas', txt))
+    triton = len(re.findall(r'__triton_gemm|"kind":"__triton', txt))
+    return f"{cublas} cuBLAS, {triton} Triton GEMM fusions"
 
 
 def _x_local(kind):
     """X per rank (inside shard_map): (y, *w) -> y."""
+    kind = _base(kind)
     if kind == "gemm":
         return lambda y, b: jnp.dot(y, b)
     if kind == "ew":
@@ -487,12 +509,12 @@ def _spec(a):
     return P(AX, *([None] * (a.ndim - 1)))
 
 
-def time_steps(body, carry, n, specs=None, iters=None):
+def time_steps(body, carry, n, specs=None, iters=None, copts=None):
     """Per-step time of `body` (a shard_map body of *carry, or with specs=None a global step) in a slope-timed
     jitted loop; returns (us, detail) or (None, error)."""
     try:
         step = loop_step(body, specs, specs) if specs is not None else (lambda c: body(*c))
-        t = C.time_loop_per_call(step, carry, n, iters=iters or args.iters)
+        t = C.time_loop_per_call(step, carry, n, iters=iters or args.iters, compiler_options=copts)
         return t["median_us"], dict(p10=t["p10_us"], p90=t["p90_us"], n=n, slope_ok=t.get("slope_ok"))
     except Exception as e:  # noqa: BLE001 - one failed measurement must not lose the others
         return None, dict(error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -587,18 +609,23 @@ def run_overlap():
     xs = {}
     for kind in _X_KINDS:
         X = _x_local(kind)
-        ws = xin[kind]
+        ws = xin[_base(kind)]
+        copts = _X_OPTS.get(kind)
 
         def body_x(tok, y, *w, X=X):
             return (tok, X(_after(y, tok), *w), *w)
 
         carry = (zero_tok(), *ws)
-        us, det = time_steps(body_x, carry, 3, (P(AX),) + tuple(_spec(a) for a in ws))
+        xspecs = (P(AX),) + tuple(_spec(a) for a in ws)
+        us, det = time_steps(body_x, carry, 3, xspecs, copts=copts)
         xs[kind] = us
-        rows.append(dict(X=kind, impl="X alone", placement=pl, us=us, tflops=(xflops[kind] / us / 1e6) if us else None,
-                         detail=dict(det, what=xdesc[kind])))
-        say(f"X {kind} ({xdesc[kind]}): " + (f"{us:.1f} us, {xflops[kind] / us / 1e6:.0f} TFLOP/s" if us
-                                              else str(det)))
+        what = xdesc[_base(kind)]
+        if kind != "ew":
+            what += f" ({_gemm_kernels(loop_step(body_x, xspecs, xspecs), carry, copts)})"
+        fl = xflops[_base(kind)]
+        rows.append(dict(X=kind, impl="X alone", placement=pl, us=us, tflops=(fl / us / 1e6) if us else None,
+                         detail=dict(det, what=what)))
+        say(f"X {kind} ({what}): " + (f"{us:.1f} us, {fl / us / 1e6:.0f} TFLOP/s" if us else str(det)))
     alts = {}
     try:
         ht_fn, host_tab = _host_take_fn(table_arr)
@@ -632,7 +659,8 @@ def run_overlap():
 
         # --- X with an overlapped fetch
         X = _x_local(kind)
-        ws = xin[kind]
+        ws = xin[_base(kind)]
+        copts = _X_OPTS.get(kind)
         wspecs = tuple(_spec(a) for a in ws)
         for name, cfg in gathers:
             def body_fxw(i, tok, y, *w, X=X, cfg=cfg):
@@ -641,7 +669,7 @@ def run_overlap():
                 table.wait(pend, token=y)          # and the wait after X
                 return (i, pend.status.reshape(1), y, *w)
 
-            us, det = time_steps(body_fxw, (ids, zero_tok(), *ws), 3, (P(AX, None), P(AX)) + wspecs)
+            us, det = time_steps(body_fxw, (ids, zero_tok(), *ws), 3, (P(AX, None), P(AX)) + wspecs, copts=copts)
             slow = (100 * (us / t_x - 1)) if us and t_x else None
             rows.append(dict(common, impl=f"X + fetch ({name})", us=us, x_slowdown_pct=slow, sms=sms_held(cfg, T),
                              hidden_pct=(100 * (1 - max(us - t_x, 0) / alone[name]))
@@ -651,7 +679,7 @@ def run_overlap():
 
         # --- X with the JAX alternatives (same rows, same X)
         x_glob = sm(_x_local(kind), wspecs, wspecs[0])
-        for aname, (afn, atab) in (alts.items() if kind != "ew" else ()):  # the alternatives: GEMM-type X only
+        for aname, (afn, atab) in (alts.items() if kind in ("gemm", "moe") else ()):  # the alternatives: cuBLAS GEMM X only
             def step(c, afn=afn, x_glob=x_glob):
                 tab, i, out, y, *w = c
                 out = afn(tab, i)
