@@ -459,15 +459,46 @@ def _x_inputs():
 _EW_PASSES = 12
 
 
-# "<kind>_triton": the same X compiled with XLA's cuBLAS fallback off, so its GEMMs are XLA's Triton kernels
-# (ordinary tiled grids, one CTA per output tile) instead of cuBLAS's persistent ones; the compiled program's GEMM
-# kernels are reported with the row.
-_X_KINDS = ("gemm", "gemm_triton", "moe", "moe_triton", "ew")
-_X_OPTS = {"gemm_triton": {"xla_gpu_cublas_fallback": False}, "moe_triton": {"xla_gpu_cublas_fallback": False}}
+# "<kind>_triton": the same X compiled with XLA asked for its Triton GEMMs for every dot and no cuBLAS fallback
+# (ordinary tiled grids, one CTA per output tile, instead of cuBLAS's persistent kernels); the compiled program's
+# GEMM kernels are reported with the row, since XLA may still keep cuBLAS. "gemm_pallas": the same product as a
+# Pallas (Triton) kernel of our own, one CTA per 128 x 256 output tile, so a non-persistent GEMM is measured
+# whatever XLA chooses.
+_X_KINDS = ("gemm", "gemm_triton", "gemm_pallas", "moe", "moe_triton", "ew")
+_TRITON_OPTS = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_triton_gemm_any": True, "xla_gpu_cublas_fallback": False}
+_X_OPTS = {"gemm_triton": _TRITON_OPTS, "moe_triton": _TRITON_OPTS}
 
 
 def _base(kind):
-    return kind.removesuffix("_triton")
+    return kind.removesuffix("_triton").removesuffix("_pallas")
+
+
+def _pallas_matmul(a, b):
+    """a @ b (bf16 in, f32 accumulation, bf16 out) as a Pallas kernel: a grid of (m / bm, n / bn) CTAs, each
+    looping over k in bk steps. On CPU (smoke runs) plain jnp.dot: Pallas's interpreter does not take this
+    kernel inside shard_map."""
+    if jax.devices()[0].platform == "cpu":
+        return jnp.dot(a, b)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk = min(m, 128), min(n, 256), min(k, 64)
+
+    def kern(a_ref, b_ref, o_ref):
+        def step(i, acc):
+            x = a_ref[:, pl.ds(i * bk, bk)]
+            y = b_ref[pl.ds(i * bk, bk), :]
+            return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+        acc = jax.lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kern, out_shape=jax.ShapeDtypeStruct((m, n), a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type),
+        grid=(m // bm, n // bn),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=3))(a, b)
 
 
 def _gemm_kernels(step, carry, copts):
@@ -479,11 +510,14 @@ def _gemm_kernels(step, carry, copts):
     import re
     cublas = len(re.findall(r'custom_call_target="__cublas', txt))
     triton = len(re.findall(r'__triton_gemm|"kind":"__triton', txt))
-    return f"{cublas} cuBLAS, {triton} Triton GEMM fusions"
+    pallas = len(re.findall(r'custom_call_target="(?:triton_kernel_call|__gpu\$xla\.gpu\.triton)', txt))
+    return f"{cublas} cuBLAS, {triton} Triton GEMM fusions, {pallas} Pallas kernels"
 
 
 def _x_local(kind):
     """X per rank (inside shard_map): (y, *w) -> y."""
+    if kind == "gemm_pallas":
+        return _pallas_matmul
     kind = _base(kind)
     if kind == "gemm":
         return lambda y, b: jnp.dot(y, b)
