@@ -228,6 +228,16 @@ def test_skipped_op_names_op_rank_and_peer_gpu(op):
     _skipped_op("cuda", op)
 
 
+def test_skipped_lookup_needs_no_peer_cpu():
+    """An Engram lookup reads the peers' shards one-sided: a rank that skips one does not hold the others up."""
+    (rc0, lines0, _), (rc1, lines1, _) = _fault_job("skip_op", "--op", "engram_lookup")
+    print(_line(lines0, "NO_ERROR"))
+    assert not [l for l in lines0 if l.startswith("ERROR_AFTER")], lines0[-20:]
+    for r, lines in ((0, lines0), (1, lines1)):
+        _assert_close_fast(lines, limit=FAULT_TIMEOUT_S)
+    assert rc0 == 0, (rc0, "\n".join(lines0[-40:]))
+
+
 # -- a rank SIGKILLed mid-job: the survivor's next op raises naming the rank; close and exit do not block.
 def _dead_peer(platform):
     (rc0, lines0, exit0), (rc1, _, _) = _fault_job("kill", "--reraise", platform=platform)

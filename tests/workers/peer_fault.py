@@ -6,7 +6,8 @@ share one GPU: JAX_ENGRAM_GPUS=1).
 
 Cases (--case):
   no_init    the victim never calls jax_engram.init; the others' init must fail (INIT_ERROR_AFTER seconds message).
-  skip_op    every rank runs --op once (checked against numpy); then the victim skips its second call of it.
+  skip_op    every rank runs --op once (checked against numpy); then the victim skips its second call of it
+             (engram_lookup: one-sided reads, so the others' lookup must succeed without the victim).
   kill       every rank runs --op once; then the victim SIGKILLs itself and the others run --op again.
   nccl_init  (CUDA) the victim takes part in nccl_topology()'s rendezvous (barrier, unique id) but never calls
              ncclCommInitRank, so the others wait in NCCL's bootstrap until the communicator's init expires. The
@@ -16,10 +17,12 @@ Cases (--case):
 Every non-victim rank prints, one line each (seconds from the start of the call):
   ERROR_AFTER seconds by Type: message   the first error; by = "op" when the call raised, "check" when it returned
                                          and ctx.check() raised (a CUDA kernel records a timeout and returns)
+                                         (or NO_ERROR when the op succeeded; its result is checked)
   NEXT_OP_AFTER seconds by Type: message   the same op once more (it must fail at once, with the same error)
   CLOSE_AFTER seconds [raised Type: message]
   EXITING                                the test measures the time from here to the process's exit
-The victim of skip_op / no_init / nccl_init waits until the others are done (a key in jax.distributed's store).
+The victim of skip_op / no_init / nccl_init waits until the others are done (a key in jax.distributed's store);
+after a skip_op without error both close the context.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from pathlib import Path
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--case", required=True, choices=["no_init", "skip_op", "kill", "nccl_init"])
-ap.add_argument("--op", default="barrier", choices=["barrier", "dispatch", "engram_write"],
+ap.add_argument("--op", default="barrier", choices=["barrier", "dispatch", "engram_write", "engram_lookup"],
                 help="skip_op / kill: the op the victim skips, or the survivors run after its death")
 ap.add_argument("--timeout", type=float, default=5.0, help="the context's timeout_s")
 ap.add_argument("--heartbeat", type=int, default=60, help="jax.distributed heartbeat_timeout_seconds")
@@ -70,15 +73,17 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:900]}"
 
 
-def others_done() -> None:
-    kv_client().key_value_set(DONE_KEY, "1")
+def others_done(outcome: str = "error") -> None:
+    kv_client().key_value_set(DONE_KEY, outcome)
 
 
-def wait_for_others() -> None:
+def wait_for_others() -> str:
+    """The others' outcome: "error" (they failed and close without meeting this rank) or "ok"."""
     try:
-        kv_client().blocking_key_value_get(DONE_KEY, int((3 * args.timeout + 20) * 1000))
+        return kv_client().blocking_key_value_get(DONE_KEY, int((3 * args.timeout + 20) * 1000))
     except Exception as e:  # noqa: BLE001 - the others are gone (the coordinator with them): nothing to wait for
         say(f"VICTIM_WAIT_ENDED {one_line(e)}")
+        return "error"
 
 
 def exit_now(code: int = 0) -> None:
@@ -136,39 +141,49 @@ def make_op(name: str):
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=P(AX)))
         return f, check
-    if name == "engram_write":
+    if name in ("engram_write", "engram_lookup"):  # a lookup reads the peers' shards one-sided: it needs no peer
         N, H = 16, 64
         table = je.EngramTable(N, H, jnp.bfloat16, ctx=ctx, placement="device")
         data = (np.arange(R * N * H, dtype=np.float32).reshape(R * N, H) / 8).astype(jnp.bfloat16)
         ids = np.arange(R * N, dtype=np.int32).reshape(-1, 1)
 
-        def check(out):
-            rows, _ = table.lookup_global(ids)
+        def check(out, rows=None):
+            rows = table.lookup_global(ids)[0] if rows is None else rows
             got = local(rows).reshape(R * N, H)
             assert np.array_equal(got.view(np.uint16), data.view(np.uint16)), "the table read back differs"
 
-        return (lambda: table.write_global(data)), check
+        if name == "engram_write":
+            return (lambda: table.write_global(data)), check
+        table.write_global(data)
+        return (lambda: table.lookup_global(ids)[0]), lambda rows: check(None, rows)
     raise ValueError(name)
 
 
-def run_op(fn):
-    """(by, error, seconds): run fn to completion, then ctx.check() (a CUDA kernel records its error and returns)."""
+def run_op(fn, check=None):
+    """(by, error, seconds): run fn to completion, then ctx.check() (a CUDA kernel records its error and returns),
+    then check(result) if given."""
     t0 = time.monotonic()
     try:
-        jax.block_until_ready(fn())
+        out = jax.block_until_ready(fn())
     except Exception as e:  # noqa: BLE001
         return "op", e, time.monotonic() - t0
     try:
         ctx.check()
     except Exception as e:  # noqa: BLE001
         return "check", e, time.monotonic() - t0
-    return None, None, time.monotonic() - t0
+    dt = time.monotonic() - t0
+    if check is not None:
+        try:
+            check(out)
+        except Exception as e:  # noqa: BLE001
+            return "result", e, dt
+    return None, None, dt
 
 
-def report_error(fn) -> BaseException | None:
-    by, e, dt = run_op(fn)
+def report_error(fn, check=None) -> BaseException | None:
+    by, e, dt = run_op(fn, check)
     if e is None:
-        say(f"NO_ERROR after {dt:.2f}")
+        say(f"NO_ERROR after {dt:.2f}, result checked")
         return None
     say(f"ERROR_AFTER {dt:.2f} {by} {one_line(e)}")
     by2, e2, dt2 = run_op(fn)
@@ -196,13 +211,14 @@ if args.case in ("skip_op", "kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     if victim:  # skip_op: the others call the op a second time, this rank does not
         say(f"VICTIM rank {rank} skips {args.op}")
-        wait_for_others()
-        os._exit(0)
+        if wait_for_others() == "ok":  # nothing failed: the context is closed together
+            close()
+        exit_now()
     if args.case == "kill":
         time.sleep(0.5)  # the victim is gone
-    error = report_error(fn)
+    error = report_error(fn, check)
+    others_done("ok" if error is None else "error")
     close()
-    others_done()
     if args.reraise and error is not None:
         say("EXITING")
         raise error
