@@ -220,23 +220,37 @@ class Context:
                 f"jax_engram: context {self.id} has {self.ranks_per_gpu} ranks on one GPU; NCCL refuses a "
                 "communicator with duplicate GPUs, so nccl_topology() is not available in this mode (the ops do "
                 "not need NCCL)")
+        return self._nccl_topology()
+
+    def _nccl_topology(self) -> dict[int, dict]:
+        """nccl_topology() without the shared-GPU refusal. For tests only: with ranks sharing a GPU, a rank that
+        never joins leaves the others waiting in NCCL's bootstrap (before NCCL looks at the GPUs), which proves
+        the communicator's bounded init on one GPU; when every rank joins, NCCL refuses the duplicate GPUs."""
+        self._check_open()
         if not self.nccl:
             self._init_nccl()
             self._register_window()
         return dict(self.nccl)
 
-    def _init_nccl(self) -> None:
-        # Meet here first (a barrier bounded by the context timeout), so that a process that never gets this far
-        # becomes a TimeoutError naming the barrier; comm_init itself is bounded too (a non-blocking communicator
-        # aborted after timeout_s, naming the ranks that did not join).
+    def _nccl_rendezvous(self) -> dict[int, bytes]:
+        """The first half of the communicator's creation: meet (a barrier bounded by the context timeout, so a
+        process that never gets this far is a TimeoutError naming the barrier) and share each local group's NCCL
+        unique id ({group: id}). A test stops a rank here to make the others' ncclCommInitRank expire."""
         self._exchange.barrier("nccl_init")
+        uids = {}
         for g, row in enumerate(self._groups):
-            local = [m for m in self.members if m.group == g]
-            if not local:
+            if not any(m.group == g for m in self.members):
                 continue
             root = min(d.process_index for d in row)
             uid = self._native.nccl_unique_id() if jax.process_index() == root else None
-            uid = self._exchange.broadcast_bytes(f"nccl_uid/{g}", uid, root)
+            uids[g] = self._exchange.broadcast_bytes(f"nccl_uid/{g}", uid, root)
+        return uids
+
+    def _init_nccl(self) -> None:
+        # comm_init is bounded too: a non-blocking communicator, aborted after timeout_s, naming the ranks that did
+        # not join.
+        for g, uid in self._nccl_rendezvous().items():
+            local = [m for m in self.members if m.group == g]
             self._native.comm_init(self.id, [(m.ordinal, m.rank) for m in local], self.num_ranks, uid)
 
     def _register_window(self) -> None:
