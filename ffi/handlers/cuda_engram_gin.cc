@@ -1,7 +1,9 @@
 // CUDA handler of the GIN leg of a hierarchical Engram lookup: rows owned by other nodes are read from their
 // owners' windows with NCCL GIN gets (kernels/cuda/engram_gin.cu) into the rows the intra-node lookup produced
-// (operand 1, aliased to result 0). Selected by jax_engram/_scaleout_gin.py only where NCCL reports GIN; anywhere
-// else (no GIN backend, NCCL < 2.30.4 headers) it fails naming why, and the collective path is used instead.
+// (operand 1, aliased to result 0). Selected by jax_engram/_scaleout_gin.py only where NCCL reports GIN and the
+// cross-node GIN communicator was created; anywhere else (no GIN backend, NCCL < 2.30.4 headers) it fails naming
+// why, and the collective path is used instead. A peer whose completion times out is recorded in the member's
+// error record (ctx.check() and the next op report it), like every other wait of the library.
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -17,27 +19,34 @@ namespace {
 
 ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer rows_in,
                               ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id,
-                              int64_t num_entries, int64_t ranks_per_node, int64_t nodes, int64_t row_bytes,
-                              int64_t region_offset, int64_t mode) {
+                              int64_t window_id, int64_t num_entries, int64_t ranks_per_node, int64_t nodes,
+                              int64_t row_bytes, int64_t region_offset, int64_t local_stride, int64_t mode) {
   constexpr int32_t op = kOpEngramFetch;
   if (!engram_gin_compiled()) return op_error(op, engram_gin_absent_reason(), ffi::ErrorCode::kUnimplemented);
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
-  GinState* gs = gin_state(ctx_id, ordinal);
-  if (!gs)
+  GinState state;
+  GinWindow win;
+  const int found = gin_launch_state(ctx_id, ordinal, window_id, &state, &win);
+  if (found == 1)
     return op_error(op, "context " + std::to_string(ctx_id) + " has no GIN communicator on GPU " +
                             std::to_string(ordinal) + " (ctx.info()['gin'] says why; the collective path serves it)",
                     ffi::ErrorCode::kFailedPrecondition);
+  if (found == 2)
+    return op_error(op, "the Engram table (GIN window " + std::to_string(window_id) + ") is not registered for GIN "
+                        "on GPU " + std::to_string(ordinal) + " (freed?)", ffi::ErrorCode::kFailedPrecondition);
+  const GinState* gs = &state;
   if (ids.element_type() != ffi::DataType::S32) return op_error(op, "ids must be int32");
   const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (num_entries < 1 || ranks_per_node < 1 || nodes < 1 || row_bytes < 1 || region_offset < 0 || mode < 0 ||
-      mode > engram::kModeChecked)
+  if (num_entries < 1 || ranks_per_node < 1 || nodes < 1 || row_bytes < 1 || region_offset < 0 || local_stride < 0 ||
+      mode < 0 || mode > engram::kModeChecked || ranks_per_node * nodes != gs->nranks)
     return op_error(op, "invalid GIN geometry attributes");
   if (static_cast<int64_t>(rows->size_bytes()) != n * row_bytes || rows_in.size_bytes() != rows->size_bytes())
     return op_error(op, "rows must be [n, row_bytes] for the n ids, in and out alike");
-  if (n * row_bytes > gs->staging_bytes)
-    return op_error(op, "the GIN staging area (" + std::to_string(gs->staging_bytes) + " bytes) is smaller than " +
-                            std::to_string(n) + " rows of " + std::to_string(row_bytes) + " bytes");
+  const int64_t staging_rows = engram::gin_staging_rows(gs->staging_bytes, gs->nranks, row_bytes);
+  if (staging_rows < 1)
+    return op_error(op, "a row of " + std::to_string(row_bytes) + " bytes does not fit the GIN staging slice of a "
+                        "peer (" + std::to_string(gs->staging_bytes / gs->nranks) + " bytes)");
   if (status->size_bytes() != sizeof(int32_t)) return op_error(op, "status must be one int32");
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return op_error(op, "cudaSetDevice failed", ffi::ErrorCode::kInternal);
@@ -52,15 +61,18 @@ ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   a.n = n;
   a.mode = static_cast<int32_t>(mode);
   a.geo = engram::GinGeometry{num_entries, static_cast<int32_t>(ranks_per_node), static_cast<int32_t>(nodes),
-                              row_bytes, region_offset};
+                              row_bytes, region_offset, local_stride};
+  a.table_host = win.host;
   a.my_node = gs->node;
-  a.staging_offset = gs->staging_offset;
+  a.rank = gs->rank;
+  a.staging_rows = staging_rows;
   a.staging = gs->staging;
   a.out = static_cast<uint8_t*>(rows->untyped_data());
-  a.status = static_cast<int32_t*>(status->untyped_data());
+  a.err = s->error_device;
   a.timeout_cycles = gs->timeout_cycles;
   const std::string err = launch_engram_gin_fetch(*static_cast<const ncclDevComm*>(gs->devcomm),
-                                                  static_cast<ncclWindow_t>(gs->window), a, stream);
+                                                  static_cast<ncclWindow_t>(win.win),
+                                                  static_cast<ncclWindow_t>(gs->staging_window), a, stream);
   if (!err.empty()) return op_error(op, err, ffi::ErrorCode::kInternal);
   return ffi::Error::Success();
 }
@@ -74,13 +86,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramGinFetchCuda, EngramGinFetchCuda,
                                   .Arg<ffi::AnyBuffer>()  // ids int32 [T, E] (global)
                                   .Arg<ffi::AnyBuffer>()  // rows from the intra-node lookup [T, E*hidden]
                                   .Ret<ffi::AnyBuffer>()  // rows (aliases operand 1)
-                                  .Ret<ffi::AnyBuffer>()  // status int32: 1 + first peer whose completion timed out
+                                  .Ret<ffi::AnyBuffer>()  // status int32 (0; a timeout goes to the error record)
                                   .Attr<int64_t>("ctx_id")
+                                  .Attr<int64_t>("window_id")
                                   .Attr<int64_t>("num_entries")
                                   .Attr<int64_t>("ranks_per_node")
                                   .Attr<int64_t>("nodes")
                                   .Attr<int64_t>("row_bytes")
                                   .Attr<int64_t>("region_offset")
+                                  .Attr<int64_t>("local_stride")
                                   .Attr<int64_t>("mode"));
 
 static HandlerRegistrar reg_gin_fetch("jax_engram_engram_gin_fetch", reinterpret_cast<void*>(JeEngramGinFetchCuda));

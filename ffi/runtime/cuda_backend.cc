@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/base.h"
 #include "runtime/cuda_driver.h"
+#include "runtime/cuda_gin.h"
 #include "runtime/cuda_member.h"
 #include "runtime/shm.h"
 
@@ -226,6 +227,7 @@ class CudaBackend final : public Backend {
   void destroy_member(Member& m) override {
     if (!m.backend_state) return;
     CudaMemberState& st = cuda_state(m);
+    gin_release(m.ctx_id, m.ordinal);  // the cross-node GIN communicator and its windows over our allocations
     nccl_release_window(st);
     nccl_release_comm(st);
     CudaDeviceGuard g(st.device);
@@ -347,6 +349,7 @@ class CudaBackend final : public Backend {
     const CudaDriver* d = cuda_driver(nullptr);
     CudaMemberState& st = cuda_state(m);
     if (a.id == 0) nccl_release_window(st);  // the NCCL window lies in this allocation: deregister first
+    gin_release_alloc(m.ctx_id, m.ordinal, a.id);  // so do GIN table windows over it
     {
       // Other GPUs of this process read our memory through our VA: let their queued work finish first.
       std::vector<int> acc;

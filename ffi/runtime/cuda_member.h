@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "runtime/runtime.h"
 
@@ -80,6 +81,12 @@ class CudaDeviceGuard {
 
 // "cudaErrorX (description)" and clears the thread's last runtime error.
 std::string cuda_error_string(cudaError_t e);
+
+// Waits, bounded by timeout_s, until no non-blocking communicator of `comms` is in progress (cuda_nccl.cc);
+// (*states)[i] is each one's state. False when one is still busy at the deadline.
+bool nccl_settle(const std::vector<ncclComm_t>& comms, double timeout_s, std::vector<ncclResult_t>* states);
+// "what failed: <NCCL error> [<NCCL's last error>]".
+std::string nccl_error_string(ncclResult_t r, const std::string& what);
 
 // NCCL teardown of a member (cuda_nccl.cc): device communicator, window, communicator. Local calls only.
 void nccl_release_window(CudaMemberState& st);

@@ -113,6 +113,12 @@ std::string rank_list(const std::vector<int32_t>& ranks) {
 
 }  // namespace
 
+bool nccl_settle(const std::vector<ncclComm_t>& comms, double timeout_s, std::vector<ncclResult_t>* states) {
+  return settle(comms, timeout_s, states);
+}
+
+std::string nccl_error_string(ncclResult_t r, const std::string& what) { return nccl_error(r, what); }
+
 int nccl_runtime_version() {
   int v = 0;
   return ncclGetVersion(&v) == ncclSuccess ? v : 0;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "jax_engram/engram_gin_plan.h"
+#include "runtime/runtime.h"
 
 struct ncclDevComm;
 
@@ -16,16 +17,22 @@ namespace jax_engram {
 
 inline constexpr int kEngramGinMinNccl = 23004;  // NCCL 2.30.4
 
+// Segment tags of ncclGin::get (ncclGin_SegmentMixed for a table window in host memory) are in the headers from
+// this version on; older headers serve device-placed tables only.
+#define JE_GIN_SEGMENT_TAGS (NCCL_VERSION_CODE >= 23200)
+
 struct EngramGinArgs {
   const int32_t* ids = nullptr;   // [n] global ids (device)
   int64_t n = 0;
   int32_t mode = 0;               // engram::Mode
-  engram::GinGeometry geo;        // region_offset: the table's offset in every rank's window
+  engram::GinGeometry geo;        // region_offset / local_stride: where rows sit in every rank's table window
+  bool table_host = false;        // the table window is host memory (HOST_NUMA segment)
   int32_t my_node = 0;            // rows owned by this node are not fetched (the intra-node path serves them)
-  int64_t staging_offset = 0;     // byte offset in the local window of >= n rows of staging
-  uint8_t* staging = nullptr;     // device pointer to those bytes
+  int32_t rank = 0;               // this member's global rank (error reports)
+  int64_t staging_rows = 0;       // rows per peer slice of the staging window (engram::gin_staging_rows)
+  uint8_t* staging = nullptr;     // device pointer to the staging window (offset 0)
   uint8_t* out = nullptr;         // [n, row_bytes]: rows of other nodes are written, the rest left as is
-  int32_t* status = nullptr;      // device word: set to 1 + peer of the first peer whose completion timed out
+  ErrorRecord* err = nullptr;     // member's error record: a per-peer completion that timed out is recorded here
   uint64_t timeout_cycles = 0;    // bound of each per-peer completion wait (0: unbounded; headers whose wait
                                   // takes no bound: the communicator's abort flag ends it)
 };
@@ -35,10 +42,11 @@ bool engram_gin_compiled();
 // "" when compiled in, else "GIN not compiled in (NCCL x.y.z headers)".
 std::string engram_gin_absent_reason();
 
-// One CTA per peer rank: issues the peer's gets (aggregated: one doorbell per peer), waits for the peer's
-// completion, then scatters the staged rows to their flat positions. Same slot order as engram::gin_plan.
+// One CTA per peer rank, in rounds of staging_rows requests: issues the round's gets from the peer's table
+// window into its staging slice (aggregated: one doorbell per round), waits for the peer's completion, then
+// scatters the staged rows to their flat positions. Same accounting as engram::gin_plan.
 // Returns "" on success, else why nothing was launched or the launch error.
-std::string launch_engram_gin_fetch(const ncclDevComm& dc, ncclWindow_t window, const EngramGinArgs& a,
-                                    cudaStream_t stream);
+std::string launch_engram_gin_fetch(const ncclDevComm& dc, ncclWindow_t table, ncclWindow_t staging,
+                                    const EngramGinArgs& a, cudaStream_t stream);
 
 }  // namespace jax_engram
