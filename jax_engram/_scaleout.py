@@ -12,9 +12,11 @@ Engram (``_HierEngramTable``): ids are bucketed by owner node; bucket b goes to 
 (``all_to_all``, capacity T*E ids per node), which reads the rows from its node's windows (inner lookup,
 node-local ids) and sends them back the same way; the requester selects, per id, the row from its owner
 node. Every rank's inner table holds its node's slice of the replicated scale-factor table, so scale
-factors travel with the rows. The bucketing is :func:`engram_buckets`; the GIN alternative to this leg
-(:mod:`jax_engram._scaleout_gin`, compiled against NCCL >= 2.30.4, not wired to the lookup yet) groups requests
-the same way (``engram_gin_plan.h``).
+factors travel with the rows. The bucketing is :func:`engram_buckets`. Where NCCL reports GIN on every node
+(:mod:`jax_engram._scaleout_gin`; compiled against NCCL >= 2.30.4, never run on hardware here) the inter-node
+leg is a GIN fetch instead: the inner lookup reads this node's bucket, and the ``jax_engram_engram_gin_fetch``
+custom call reads every other row from its owner's window (requests grouped as the buckets,
+``engram_gin_plan.h``); no ``all_to_all``. Results, modes, padding and status are those of the collective path.
 
 EP dispatch (``dispatch``): one copy of a token per destination node (``all_to_all`` over the node axis,
 capacity N tokens per node), then the intra-node dispatch on the receiving (forwarding) rank. To keep
@@ -199,6 +201,20 @@ def _engram_table_class():
             self.sf_nbytes = self.total_entries * self.num_sf_packs * 4
             self._token = None
             self._global_fns = {}
+            self._gin, self._gin_reason = None, ctx._gin_reason
+            if ctx.inter_node_path == "gin":
+                from jax_engram import _scaleout_gin
+
+                try:
+                    self._gin, self._gin_reason = _scaleout_gin.register_table(self)
+                except BaseException:
+                    inner.free()
+                    raise
+
+        @property
+        def inter_node_path(self) -> str:
+            """How this table's rows cross nodes: "gin" or "xla all_to_all" (see ctx.info()["gin"])."""
+            return "gin" if self._gin is not None else "xla all_to_all"
 
         def __repr__(self) -> str:
             return f"Hierarchical{super().__repr__()} ({self.ctx.num_nodes} nodes x {self.ctx.local_size})"
@@ -219,7 +235,15 @@ def _engram_table_class():
                                      f"indexed by global id, got {sf.shape}")
                 # This node's rows of the replicated table: the inner table serves them with the data rows.
                 sf = jax.lax.dynamic_slice_in_dim(sf, self.ctx.node_index() * self.node_entries, self.node_entries)
-            return self.inner.write(storage, sf, token=token)
+            if self._gin is None:
+                return self.inner.write(storage, sf, token=token)
+            # GIN reads other nodes' windows directly: the write waits until every rank's earlier lookups (the
+            # token) are done, and its token until every rank's write is.
+            ax = self.ctx.axis_name
+            if token is not None:
+                token = jax.lax.psum(self.ctx.varying(jnp.asarray(token, jnp.float32).reshape(-1)[:1].sum()), ax)
+            tok = self.inner.write(storage, sf, token=token)
+            return jax.lax.psum(self.ctx.varying(tok), ax)
 
         def fetch(self, indices, token=None, *, mode: str = "fill", sf_layout: str = "row",
                   overlap: bool = True, config=None) -> EngramPending:
@@ -288,6 +312,9 @@ def _engram_table_class():
             return fn
 
         def free(self) -> None:
+            from jax_engram import _scaleout_gin
+
+            _scaleout_gin.release_table(self)
             self.inner.free()
             self.region = self.sf_region = None
 
@@ -320,18 +347,24 @@ def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     total, per_node = table.total_entries, table.node_entries
     ids = ctx.varying(ids)
     valid, owner, buckets = engram_buckets(ids, total, per_node, Nn, mode)
-    req = ctx.node_all_to_all(buckets)                                           # [Nn, T, E] from node a
-    inner_tok = req if token is None else token
-    data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row", config=config)
-    rows = ctx.node_all_to_all(data.reshape(Nn, T, E, H))                        # [Nn, T, E, H] from node b
-    sel = jnp.clip(owner, 0, Nn - 1)[None, :, :, None]
-    out = jnp.take_along_axis(rows, sel, axis=0)[0]
-    out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype)).reshape(T, E * H)
+    if table._gin is not None:
+        out, s = _gin_leg(table, ids, buckets, token, mode, config)
+    else:
+        req = ctx.node_all_to_all(buckets)                                       # [Nn, T, E] from node a
+        inner_tok = req if token is None else token
+        data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row",
+                                      config=config)
+        rows = ctx.node_all_to_all(data.reshape(Nn, T, E, H))                    # [Nn, T, E, H] from node b
+        sel = jnp.clip(owner, 0, Nn - 1)[None, :, :, None]
+        out = jnp.take_along_axis(rows, sel, axis=0)[0]
+        out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype)).reshape(T, E * H)
+        s = None
+        if Pk:
+            sfr = ctx.node_all_to_all(sf.reshape(Nn, T, E, Pk))
+            s = jnp.take_along_axis(sfr, sel, axis=0)[0]
+            s = jnp.where(valid[..., None], s, jnp.zeros((), s.dtype)).reshape(T, E * Pk)
     sf_out = jnp.zeros((0,), jnp.int32)
     if Pk:
-        sfr = ctx.node_all_to_all(sf.reshape(Nn, T, E, Pk))
-        s = jnp.take_along_axis(sfr, sel, axis=0)[0]
-        s = jnp.where(valid[..., None], s, jnp.zeros((), s.dtype)).reshape(T, E * Pk)
         if sf_layout == "tma_col_major":
             Tp = (T + 3) // 4 * 4
             s = jnp.pad(s.T, ((0, 0), (0, Tp - T)))
@@ -340,6 +373,30 @@ def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     if mode == "checked":
         status = _checked(ctx, ids, total, out)
     return out, sf_out, status
+
+
+def _gin_leg(table, ids, buckets, token, mode, config):
+    """The GIN inter-node leg: this node's bucket through the intra-node lookup (other ids read zero rows), then
+    the GIN fetch of every row owned by another node into the same rows (and scale factors alike)."""
+    from jax_engram import _scaleout_gin
+    from jax_engram.engram import ENGRAM_MODES
+
+    ctx, g = table.ctx, table._gin
+    T, E = ids.shape
+    Pk = table.num_sf_packs
+    mine = jax.lax.dynamic_index_in_dim(buckets, ctx.node_index(), axis=0, keepdims=False)   # [T, E]
+    data, sf = table.inner.lookup(mine, mine if token is None else token, mode="fill", sf_layout="row",
+                                  config=config)
+    mode_i = ENGRAM_MODES[mode]
+    out = _scaleout_gin.fetch(ctx, ids, data, window=g.window, region_offset=g.offset,
+                              num_entries=table.num_entries, row_bytes=table.row_bytes, local_stride=0, mode=mode_i)
+    s = None
+    if Pk:
+        # Every rank of a node holds the node's scale factors (row local*num_entries + row of the owner's shard).
+        s = _scaleout_gin.fetch(ctx, ids, sf.reshape(T, E * Pk), window=g.sf_window, region_offset=g.sf_offset,
+                                num_entries=table.num_entries, row_bytes=Pk * 4,
+                                local_stride=table.num_entries * Pk * 4, mode=mode_i)
+    return out, s
 
 
 def _checked(ctx, ids, total, after):

@@ -10,17 +10,29 @@ It needs: a CUDA build against NCCL >= 2.30.4 headers, a libnccl that new, more 
 reporting a GIN backend (an RDMA NIC with GPUDirect) on every node. :func:`probe` asks in that order, at
 context init, and never fails when GIN is absent: it returns the path and why. The node's side NCCL
 communicator, which answers the last question, is created only when everything before it holds, so
-single-node, CPU and NIC-less jobs create none. The cross-node GIN device communicator that the handler
-(``jax_engram_engram_gin_fetch``) launches on is not created yet, so even where NCCL reports GIN the lookup
-stays on the collective path, and the reason says so.
+single-node, CPU and NIC-less jobs create none. Where every node reports GIN, probe creates what the handler
+(``jax_engram_engram_gin_fetch``) launches on: a cross-node NCCL communicator over every rank of the group
+(unique id through the context's exchange, non-blocking init bounded by the context timeout), its GIN device
+communicator and a staging window (:data:`STAGING_BYTES` per GPU); the path is GIN only if that succeeded on
+every process. Each Engram table of a GIN context then registers its shard (and its scale-factor copy) as GIN
+windows (:func:`register_table`, collective, at table creation; released by ``free()``); a table whose
+registration fails anywhere stays on the collective path. ``ctx.close()`` frees the communicator.
+
+This path is compiled and its lowering and request accounting are tested, but no machine of this project has
+a GIN-capable NIC: it has never run on hardware.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import jax
+import numpy as np
 
 XLA = "xla all_to_all"
 GIN = "gin"
 _MIN_NCCL = 23004  # 2.30.4
+STAGING_BYTES = 32 << 20  # per GPU: one slice per peer rank; lookups larger than a slice run in rounds
 
 
 def _version(v: int) -> str:
@@ -53,5 +65,125 @@ def probe(ctx) -> tuple[str, str]:
     why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
     if why:
         return XLA, why
-    return XLA, ("NCCL reports GIN on every node, but the cross-node GIN device communicator is not created by this "
-                 "version; the collective path serves every lookup")
+    try:
+        _init_comm(ctx)
+    except Exception as e:  # every process learns it below and stays on the collective path
+        why = f"the cross-node GIN communicator could not be created: {e}"
+    recs = inner._exchange.allgather("gin_init", {me: why}, procs)
+    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    if why:
+        release(ctx)
+        return XLA, why
+    return GIN, "NCCL reports GIN on every node; the cross-node GIN communicator is up"
+
+
+def _hier_groups(ctx) -> list[list[tuple]]:
+    """Per hierarchical group of the mesh (one per index of the axes outside the EP group): [(device, global
+    rank, node)] with global rank = node * local_size + local, node = the node axes' index (row-major)."""
+    mesh = ctx.mesh
+    names = list(mesh.axis_names)
+    groups: dict[tuple, list] = {}
+    for idx in np.ndindex(mesh.devices.shape):
+        c = dict(zip(names, idx))
+        node = int(np.ravel_multi_index(tuple(c[a] for a in ctx.node_axes),
+                                        tuple(mesh.shape[a] for a in ctx.node_axes)))
+        key = tuple(c[a] for a in names if a not in ctx.axis_name)
+        groups.setdefault(key, []).append((mesh.devices[idx], node * ctx.local_size + c[ctx.local_axis], node))
+    return [sorted(g, key=lambda t: t[1]) for _, g in sorted(groups.items())]
+
+
+def _init_comm(ctx) -> None:
+    """Collective: the cross-node GIN communicator, staging and device communicator of every local member."""
+    inner = ctx.inner
+    ordinal = {m.device.id: m.ordinal for m in inner.members}
+    me = jax.process_index()
+    for gi, group in enumerate(_hier_groups(ctx)):
+        local = [(ordinal[d.id], r, n) for d, r, n in group if d.process_index == me]
+        if not local:
+            continue
+        root = min(d.process_index for d, _, _ in group)
+        uid = inner._native.nccl_unique_id() if me == root else None
+        uid = inner._exchange.broadcast_bytes(f"gin_uid/{gi}", uid, root)
+        inner._native.gin_init(ctx.id, local, ctx.num_ranks, uid, STAGING_BYTES)
+
+
+def release(ctx) -> None:
+    """Local: frees this process's GIN state of the context (also done by ``close()``)."""
+    native = ctx.inner._native
+    if hasattr(native, "gin_release"):
+        for m in ctx.inner.members:
+            native.gin_release(ctx.id, m.ordinal)
+
+
+# ------------------------------------------------------------------------------------------------ tables
+@dataclasses.dataclass(frozen=True)
+class GinTable:
+    """A table's GIN windows: the data shard and (with scale factors) the node's scale-factor copy, each as
+    (window id, byte offset of the region in that window)."""
+
+    window: int
+    offset: int
+    sf_window: int = -1
+    sf_offset: int = 0
+
+
+_window_ids = itertools.count(1)
+
+
+def register_table(table) -> tuple[GinTable | None, str]:
+    """Collective (every process creates the same tables in the same order): the table's GIN windows, or
+    (None, why) when any process could not register them (the table then uses the collective path)."""
+    ctx = table.ctx
+    inner = ctx.inner
+    me = str(jax.process_index())
+    procs = [str(p) for p in inner.process_ids]
+    wid = next(_window_ids)
+    regions = [(wid, table.region)] + ([(wid + 1, table.sf_region)] if table.num_sf_packs else [])
+    next(_window_ids)
+    offsets, why = [], ""
+    try:
+        for w, r in regions:
+            off = None
+            for g in sorted({m.group for m in inner.members}):
+                ords = [m.ordinal for m in inner.members if m.group == g]
+                off = inner._native.gin_register_window(ctx.id, ords, w, r.alloc_id, r.offset, r.nbytes)
+            offsets.append(off)
+    except Exception as e:
+        why = f"registering the table for GIN failed: {e}"
+    recs = inner._exchange.allgather(f"gin_table/{wid}", {me: why}, procs)
+    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    if why:
+        _release_windows(ctx, [w for w, _ in regions])
+        return None, why
+    sf = regions[1][0] if len(regions) > 1 else -1
+    return GinTable(wid, offsets[0], sf, offsets[1] if len(regions) > 1 else 0), ""
+
+
+def _release_windows(ctx, wids) -> None:
+    native = ctx.inner._native
+    for m in ctx.inner.members:
+        for w in wids:
+            native.gin_release_window(ctx.id, m.ordinal, w)
+
+
+def release_table(table) -> None:
+    """Local: deregisters the table's GIN windows (before its memory is released)."""
+    g = getattr(table, "_gin", None)
+    if g is not None and not table.ctx._closed:
+        _release_windows(table.ctx, [g.window] + ([g.sf_window] if g.sf_window >= 0 else []))
+    table._gin = None
+
+
+# ------------------------------------------------------------------------------------------------ lookup
+def fetch(ctx, ids, rows, *, window: int, region_offset: int, num_entries: int, row_bytes: int,
+          local_stride: int, mode: int):
+    """The GIN leg of a lookup: ids [T, E] global (int32), rows [T, E*w] from the intra-node lookup (rows of this
+    node filled, the rest zero) -> rows with the rows of other nodes read from their owners' windows. Same
+    resolution of ids as the collective path (mode, padding)."""
+    out = (jax.ShapeDtypeStruct(rows.shape, rows.dtype), jax.ShapeDtypeStruct((), np.int32))
+    call = jax.ffi.ffi_call("jax_engram_engram_gin_fetch", out, has_side_effect=True, input_output_aliases={1: 0})
+    i64 = np.int64
+    rows, _ = call(ids, rows, ctx_id=i64(ctx.id), window_id=i64(window), num_entries=i64(num_entries),
+                   ranks_per_node=i64(ctx.local_size), nodes=i64(ctx.num_nodes), row_bytes=i64(row_bytes),
+                   region_offset=i64(region_offset), local_stride=i64(local_stride), mode=i64(mode))
+    return rows
