@@ -304,7 +304,7 @@ Status gin_register_window(Registry& reg, int64_t ctx, const std::vector<int32_t
              ") is not inside one segment of allocation " + std::to_string(alloc_id);
     host = a->segments[s].kind == SegmentKind::kHost;
     if (host && !JE_GIN_SEGMENT_TAGS)
-      return "gin_register_window: a host-placed table needs NCCL >= 2.32 headers (GIN segment tags); place the "
+      return "gin_register_window: a host-placed table needs NCCL headers with GIN segment tags; place the "
              "table on the device or build against a newer nvidia-nccl-cu13";
     *region_offset = offset - static_cast<int64_t>(base);
     gs.push_back(&it->second);

@@ -17,9 +17,10 @@ namespace jax_engram {
 
 inline constexpr int kEngramGinMinNccl = 23004;  // NCCL 2.30.4
 
-// Segment tags of ncclGin::get (ncclGin_SegmentMixed for a table window in host memory) are in the headers from
-// this version on; older headers serve device-placed tables only.
-#define JE_GIN_SEGMENT_TAGS (NCCL_VERSION_CODE >= 23200)
+// Segment tags of ncclGin::get (ncclGin_SegmentMixed for a table window in host memory): in every header version
+// that has ncclGin::get (2.30.4 and 2.32.3 checked); kept as a switch so a header without them serves device
+// tables only.
+#define JE_GIN_SEGMENT_TAGS (NCCL_VERSION_CODE >= 23004)
 
 struct EngramGinArgs {
   const int32_t* ids = nullptr;   // [n] global ids (device)
