@@ -84,6 +84,8 @@ ap.add_argument("--num-sms", default="4",
                 help="--overlap: EngramConfig.num_sms of the few-SM gathers; a comma list measures each (the first "
                      "sizes the fetch)")
 ap.add_argument("--tma-smem-kib", type=int, default=192, help="--overlap: EngramConfig.tma_smem_kib")
+ap.add_argument("--x-kinds", default="gemm,gemm_triton,gemm_pallas,moe,moe_triton,ew",
+                help="--overlap: the X kinds to run, from gemm, gemm_triton, gemm_pallas, moe, moe_triton, ew")
 ap.add_argument("--gemm-n", type=int, default=8192, help="--overlap: the GEMM X is [n, n] x [n, n] bf16")
 ap.add_argument("--moe-rows", type=int, default=16384, help="--overlap: rows through the MoE expert GEMMs")
 ap.add_argument("--fetch-T", type=int, default=0,
@@ -469,6 +471,14 @@ _TRITON_OPTS = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_triton_gemm_any": T
 _X_OPTS = {"gemm_triton": _TRITON_OPTS, "moe_triton": _TRITON_OPTS}
 
 
+def _x_kinds():
+    kinds = [k for k in args.x_kinds.split(",") if k]
+    bad = sorted(set(kinds) - set(_X_KINDS))
+    if bad:
+        raise SystemExit(f"--x-kinds: unknown {bad}; choose from {list(_X_KINDS)}")
+    return kinds
+
+
 def _base(kind):
     return kind.removesuffix("_triton").removesuffix("_pallas")
 
@@ -641,7 +651,7 @@ def run_overlap():
 
     # --- size the fetch to take as long as the GEMM X alone
     xs = {}
-    for kind in _X_KINDS:
+    for kind in _x_kinds():
         X = _x_local(kind)
         ws = xin[_base(kind)]
         copts = _X_OPTS.get(kind)
@@ -669,7 +679,7 @@ def run_overlap():
     alts["all_to_all lookup (device table)"] = (B.make_a2a_lookup(mesh), table_arr)
     T0 = 64 if args.tiny else 4096
     f0, _ = fetch_alone(table, cfg_tma, [make_ids(T0, E, total, 900)])
-    for kind in _X_KINDS:
+    for kind in _x_kinds():
         # --- the fetch sized to take as long as this X alone (the bulk-copy gather's rate at T0)
         t_x = xs[kind]
         T = args.fetch_T
@@ -757,7 +767,7 @@ def run_overlap():
 
 def summarize_overlap(rows, cg, cwhat, names):
     lines, out = ["", f"summary (issue 20 goals; ceiling = {cwhat}):"], {}
-    for kind in _X_KINDS:
+    for kind in _x_kinds():
         for name in names:
             r = [x for x in rows if x.get("X") == kind and x["impl"] == f"X + fetch ({name})"]
             if r and r[0].get("x_slowdown_pct") is not None:
