@@ -17,25 +17,20 @@ namespace {
 using namespace engram_validate;
 
 ffi::Error EngramWriteCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage, ffi::AnyBuffer sf,
-                          ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id, int64_t offset,
-                          int64_t num_entries, int64_t row_bytes, int64_t sf_alloc_id, int64_t sf_offset,
-                          int64_t sf_bytes) {
+                          ffi::Result<ffi::AnyBuffer> token_out, EngramWriteAttrs at) {
   (void)token;
-  MemberScope s(ctx_id, ordinal, kOpEngramWrite);
+  MemberScope s(at.ctx_id, ordinal, kOpEngramWrite);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   WriteRegions w;
-  if (auto e = check_write(kOpEngramWrite, m, storage, sf, alloc_id, offset, num_entries, row_bytes, sf_alloc_id,
-                           sf_offset, sf_bytes, &w);
-      !e.success())
-    return e;
+  if (auto e = check_write(kOpEngramWrite, m, storage, sf, at, &w); !e.success()) return e;
   const uint64_t n = w.n;
   Allocation* a = w.a;
   uint8_t* sf_dst = w.sf_dst;
   // No peer may still read the old table (fetches on CPU are synchronous, so a peer past this barrier is done).
   if (!cpu::barrier(m, kOpEngramWrite)) return s.check_recorded();
-  if (n) std::memcpy(a->local + offset, storage.untyped_data(), n);
-  if (sf_bytes) std::memcpy(sf_dst, sf.untyped_data(), sf_bytes);
+  if (n) std::memcpy(a->local + at.offset, storage.untyped_data(), n);
+  if (at.sf_bytes) std::memcpy(sf_dst, sf.untyped_data(), at.sf_bytes);
   if (!cpu::barrier(m, kOpEngramWrite)) return s.check_recorded();
   if (token_out->size_bytes()) std::memset(token_out->untyped_data(), 0, token_out->size_bytes());
   return s.check_recorded();
@@ -43,25 +38,15 @@ ffi::Error EngramWriteCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer 
 
 ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> sf_out,
-                          ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id, int64_t alloc_id, int64_t offset,
-                          int64_t num_entries, int64_t row_bytes, int64_t mode, int64_t sf_alloc_id,
-                          int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap,
-                          int64_t gather, int64_t gather_sms, int64_t tma_smem_bytes, int64_t sm_loads,
-                          int64_t sm_blocks_per_sm) {
+                          ffi::Result<ffi::AnyBuffer> status, EngramFetchAttrs at) {
   (void)token;
-  (void)overlap;  // CPU: the gather runs here and now; the gather configuration is only validated
-  MemberScope s(ctx_id, ordinal, kOpEngramFetch);
+  // CPU: the gather runs here and now (at.overlap has no effect); the gather configuration is only validated.
+  MemberScope s(at.ctx_id, ordinal, kOpEngramFetch);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  GatherConfig gc;
-  if (auto e = check_gather_config(kOpEngramFetch, gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm, &gc);
-      !e.success())
-    return e;
   FetchShapes fs;
-  if (auto e = check_fetch(kOpEngramFetch, m, indices, *data, *sf_out, *status, alloc_id, offset, num_entries,
-                           row_bytes, mode, sf_alloc_id, sf_offset, num_sf_packs, sf_layout, &fs);
-      !e.success())
-    return e;
+  if (auto e = check_fetch(kOpEngramFetch, m, indices, *data, *sf_out, *status, at, &fs); !e.success()) return e;
+  const int64_t mode = at.mode;
   const int64_t T = fs.T, E = fs.E, P = fs.P, total = fs.total;
   Allocation* a = fs.a;
   uint8_t* sf_table = fs.sf_table;
@@ -84,16 +69,16 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
   g.ids = ids;
   g.T = T;
   g.E = E;
-  g.num_entries = num_entries;
+  g.num_entries = at.num_entries;
   g.nranks = m.nranks;
   g.peers = a->peers.data();
-  g.offset = offset;
-  g.row_bytes = row_bytes;
+  g.offset = at.offset;
+  g.row_bytes = at.row_bytes;
   g.mode = static_cast<int32_t>(mode);
   g.out = static_cast<uint8_t*>(data->untyped_data());
   g.sf_table = reinterpret_cast<const uint32_t*>(sf_table);
   g.P = P;
-  g.sf_layout = static_cast<int32_t>(sf_layout);
+  g.sf_layout = static_cast<int32_t>(at.sf_layout);
   g.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
   cpu::engram_gather(g);
   return ffi::Error::Success();
@@ -102,12 +87,11 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
 // data / sf results alias the data / sf operands (input_output_aliases): nothing to do unless XLA copied.
 ffi::Error EngramWaitCpu(int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf, ffi::AnyBuffer status,
                          ffi::AnyBuffer indices, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> data_out,
-                         ffi::Result<ffi::AnyBuffer> sf_out, int64_t ctx_id, int64_t overlap) {
-  (void)overlap;
+                         ffi::Result<ffi::AnyBuffer> sf_out, EngramWaitAttrs at) {
   (void)status;
   (void)indices;
   (void)token;
-  MemberScope s(ctx_id, ordinal, kOpEngramWait);
+  MemberScope s(at.ctx_id, ordinal, kOpEngramWait);
   if (!s.ok()) return s.error();
   if (data_out->size_bytes() != data.size_bytes() || sf_out->size_bytes() != sf.size_bytes())
     return op_error(kOpEngramWait, "results must have the sizes of the pending data and sf");

@@ -97,19 +97,14 @@ ffi::Error order_after(Member& m, int32_t op, cudaStream_t from, cudaStream_t to
 }
 
 ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage,
-                           ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, int64_t ctx_id, int64_t alloc_id,
-                           int64_t offset, int64_t num_entries, int64_t row_bytes, int64_t sf_alloc_id,
-                           int64_t sf_offset, int64_t sf_bytes) {
+                           ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, EngramWriteAttrs at) {
   (void)token;
   constexpr int32_t op = kOpEngramWrite;
-  MemberScope s(ctx_id, ordinal, op);
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   WriteRegions w;
-  if (auto e = check_write(op, m, storage, sf, alloc_id, offset, num_entries, row_bytes, sf_alloc_id, sf_offset,
-                           sf_bytes, &w);
-      !e.success())
-    return e;
+  if (auto e = check_write(op, m, storage, sf, at, &w); !e.success()) return e;
   const uint64_t n = w.n;
   Allocation* a = w.a;
   uint8_t* sf_dst = w.sf_dst;
@@ -123,10 +118,10 @@ ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   const SyncArgs sync = make_sync_args(m, op);
   cudaError_t ce = launch_barrier(sync, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
-  ce = launch_copy(a->local + offset, storage.untyped_data(), n, kCopyPublish, stream);
+  ce = launch_copy(a->local + at.offset, storage.untyped_data(), n, kCopyPublish, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the copy into the table region", ce);
-  if (sf_bytes) {
-    ce = launch_copy(sf_dst, sf.untyped_data(), static_cast<uint64_t>(sf_bytes), kCopyPlain, stream);
+  if (at.sf_bytes) {
+    ce = launch_copy(sf_dst, sf.untyped_data(), static_cast<uint64_t>(at.sf_bytes), kCopyPlain, stream);
     if (ce != cudaSuccess) return cuda_failure(op, "launching the copy of the scale-factor table", ce);
   }
   ce = launch_barrier(sync, stream);
@@ -140,26 +135,16 @@ ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
 
 ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffer token,
                            ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> sf_out,
-                           ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id, int64_t alloc_id, int64_t offset,
-                           int64_t num_entries, int64_t row_bytes, int64_t mode, int64_t sf_alloc_id,
-                           int64_t sf_offset, int64_t num_sf_packs, int64_t sf_layout, int64_t overlap,
-                           int64_t gather, int64_t gather_sms, int64_t tma_smem_bytes, int64_t sm_loads,
-                           int64_t sm_blocks_per_sm) {
+                           ffi::Result<ffi::AnyBuffer> status, EngramFetchAttrs at) {
   (void)token;
   constexpr int32_t op = kOpEngramFetch;
-  MemberScope s(ctx_id, ordinal, op);
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
-  GatherConfig gc;
-  if (auto e = check_gather_config(op, gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm, &gc);
-      !e.success())
-    return e;
   FetchShapes fs;
-  if (auto e = check_fetch(op, m, indices, *data, *sf_out, *status, alloc_id, offset, num_entries, row_bytes,
-                           mode, sf_alloc_id, sf_offset, num_sf_packs, sf_layout, &fs);
-      !e.success())
-    return e;
-  const int64_t T = fs.T, E = fs.E, P = fs.P, total = fs.total;
+  if (auto e = check_fetch(op, m, indices, *data, *sf_out, *status, at, &fs); !e.success()) return e;
+  const int64_t T = fs.T, E = fs.E, P = fs.P;
+  const int64_t num_entries = at.num_entries, row_bytes = at.row_bytes, offset = at.offset;
   Allocation* a = fs.a;
   uint8_t* sf_table = fs.sf_table;
   if (!a->peers_device)
@@ -168,7 +153,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
   cudaStream_t run_on = stream;
-  if (overlap && st.side_stream) {
+  if (at.overlap && st.side_stream) {
     if (auto e = order_after(m, op, stream, st.side_stream, true); !e.success()) return e;
     run_on = st.side_stream;
   }
@@ -181,11 +166,11 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.peers = static_cast<uint8_t* const*>(a->peers_device);
   f.offset = offset;
   f.row_bytes = row_bytes;
-  f.mode = static_cast<int32_t>(mode);
+  f.mode = static_cast<int32_t>(at.mode);
   f.out = static_cast<uint8_t*>(data->untyped_data());
   f.sf_table = reinterpret_cast<const uint32_t*>(sf_table);
   f.P = P;
-  f.sf_layout = static_cast<int32_t>(sf_layout);
+  f.sf_layout = static_cast<int32_t>(at.sf_layout);
   f.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
   f.status = static_cast<int32_t*>(status->untyped_data());
   // Checked mode leaves the first bad position in `status` for wait's host check (engram.py); it records nothing in
@@ -197,11 +182,11 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                                               static_cast<uint64_t>(num_entries) * row_bytes);
   f.timeout_ns = m.timeout_ns();
   f.timeout_err = m.error_device;  // a stalled bulk copy is a device failure, reported like any other
-  f.gather = gc.gather;
-  f.gather_sms = gc.sms;
-  f.tma_smem_bytes = gc.tma_smem_bytes;
-  f.sm_loads = gc.loads;
-  f.sm_blocks_per_sm = gc.blocks_per_sm;
+  f.gather = static_cast<int32_t>(at.gather);
+  f.gather_sms = static_cast<int32_t>(at.gather_sms);
+  f.tma_smem_bytes = at.tma_smem_bytes;
+  f.sm_loads = static_cast<int32_t>(at.sm_loads);
+  f.sm_blocks_per_sm = static_cast<int32_t>(at.sm_blocks_per_sm);
   EngramLaunchInfo info;
   cudaError_t ce = launch_engram_fetch(f, run_on, &info);
   if (ce != cudaSuccess)
@@ -214,8 +199,8 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                  "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement %s overlap %d asked %s "
                  "ran %s sms %d chunk_bytes %lld chunks %lld smem %lld\n",
                  m.rank, static_cast<long long>(T), static_cast<long long>(E), static_cast<long long>(row_bytes),
-                 f.device_memory ? "device" : "host", static_cast<int>(overlap && run_on != stream),
-                 gather_name(gc.gather), gather_name(info.gather),
+                 f.device_memory ? "device" : "host", static_cast<int>(at.overlap && run_on != stream),
+                 gather_name(f.gather), gather_name(info.gather),
                  info.sms, static_cast<long long>(info.chunk_bytes), static_cast<long long>(info.chunks),
                  static_cast<long long>(info.smem_bytes));
   }
@@ -225,12 +210,12 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
 ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf,
                           ffi::AnyBuffer status, ffi::AnyBuffer indices, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> data_out,
-                          ffi::Result<ffi::AnyBuffer> sf_out, int64_t ctx_id, int64_t overlap) {
+                          ffi::Result<ffi::AnyBuffer> sf_out, EngramWaitAttrs at) {
   (void)status;
   (void)indices;
   (void)token;
   constexpr int32_t op = kOpEngramWait;
-  MemberScope s(ctx_id, ordinal, op);
+  MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   if (data_out->size_bytes() != data.size_bytes() || sf_out->size_bytes() != sf.size_bytes())
@@ -238,7 +223,7 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
-  if (overlap && st.side_stream)
+  if (at.overlap && st.side_stream)
     if (auto e = order_after(m, op, st.side_stream, stream, false); !e.success()) return e;
   // input_output_aliases makes these the same buffers; copy only if XLA gave us distinct ones.
   cudaError_t ce = cudaSuccess;

@@ -1,9 +1,62 @@
 // The FFI signatures of the Engram ops after each backend's context arguments (CUDA: the stream; both: the device
-// ordinal): one definition for the CPU and CUDA handlers, in the order jax_engram/engram.py binds.
+// ordinal): one definition for the CPU and CUDA handlers, in the operand / result order that jax_engram/engram.py
+// binds. The attributes of each op decode into one struct (XLA FFI struct attribute decoding: every attribute of
+// the call, by name), the same struct on both backends; fields a backend does not use are still part of the call,
+// so both backends accept the same calls.
 #pragma once
+#include <cstdint>
 #include <utility>
 
 #include "handlers/common.h"
+
+namespace jax_engram {
+
+// Static attributes of a write (jax_engram/engram.py EngramTable._write_attrs).
+struct EngramWriteAttrs {
+  int64_t ctx_id;
+  int64_t alloc_id, offset, num_entries, row_bytes;  // the table region: this rank's shard
+  int64_t sf_alloc_id, sf_offset, sf_bytes;          // the replicated scale-factor table (sf_bytes 0: none)
+};
+
+// Static attributes of a fetch (EngramTable._fetch_attrs).
+struct EngramFetchAttrs {
+  int64_t ctx_id;
+  int64_t alloc_id, offset, num_entries, row_bytes;  // the table region, the same on every rank
+  int64_t mode;                                      // engram::Mode
+  int64_t sf_alloc_id, sf_offset, num_sf_packs;      // the scale-factor table (num_sf_packs 0: none)
+  int64_t sf_layout;                                 // engram::SfLayout of the sf result
+  int64_t overlap;                                   // CUDA: gather on the member's side stream; CPU: unused
+  // The gather configuration (jax_engram/config.py EngramConfig.ffi_attrs; engram_layout.h Gather / Loads):
+  // checked on both backends, used by CUDA only.
+  int64_t gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm;
+};
+
+// Static attributes of a wait (EngramTable.wait).
+struct EngramWaitAttrs {
+  int64_t ctx_id;
+  int64_t overlap;  // the fetch's: CUDA joins the side stream back into XLA's; CPU: unused
+};
+
+}  // namespace jax_engram
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EngramWriteAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
+    ::xla::ffi::StructMember<int64_t>("num_entries"), ::xla::ffi::StructMember<int64_t>("row_bytes"),
+    ::xla::ffi::StructMember<int64_t>("sf_alloc_id"), ::xla::ffi::StructMember<int64_t>("sf_offset"),
+    ::xla::ffi::StructMember<int64_t>("sf_bytes"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EngramFetchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
+    ::xla::ffi::StructMember<int64_t>("num_entries"), ::xla::ffi::StructMember<int64_t>("row_bytes"),
+    ::xla::ffi::StructMember<int64_t>("mode"), ::xla::ffi::StructMember<int64_t>("sf_alloc_id"),
+    ::xla::ffi::StructMember<int64_t>("sf_offset"), ::xla::ffi::StructMember<int64_t>("num_sf_packs"),
+    ::xla::ffi::StructMember<int64_t>("sf_layout"), ::xla::ffi::StructMember<int64_t>("overlap"),
+    ::xla::ffi::StructMember<int64_t>("gather"), ::xla::ffi::StructMember<int64_t>("gather_sms"),
+    ::xla::ffi::StructMember<int64_t>("tma_smem_bytes"), ::xla::ffi::StructMember<int64_t>("sm_loads"),
+    ::xla::ffi::StructMember<int64_t>("sm_blocks_per_sm"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_engram::EngramWaitAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+                                      ::xla::ffi::StructMember<int64_t>("overlap"));
 
 namespace jax_engram {
 
@@ -14,14 +67,7 @@ auto bind_engram_write(B&& b) {
       .template Arg<ffi::AnyBuffer>()  // storage [num_entries, hidden]
       .template Arg<ffi::AnyBuffer>()  // sf [total, P] or empty
       .template Ret<ffi::AnyBuffer>()  // token
-      .template Attr<int64_t>("ctx_id")
-      .template Attr<int64_t>("alloc_id")
-      .template Attr<int64_t>("offset")
-      .template Attr<int64_t>("num_entries")
-      .template Attr<int64_t>("row_bytes")
-      .template Attr<int64_t>("sf_alloc_id")
-      .template Attr<int64_t>("sf_offset")
-      .template Attr<int64_t>("sf_bytes");
+      .template Attrs<EngramWriteAttrs>();
 }
 
 template <typename B>
@@ -32,23 +78,7 @@ auto bind_engram_fetch(B&& b) {
       .template Ret<ffi::AnyBuffer>()  // data [T, E*hidden]
       .template Ret<ffi::AnyBuffer>()  // sf (layout) or empty
       .template Ret<ffi::AnyBuffer>()  // status int32
-      .template Attr<int64_t>("ctx_id")
-      .template Attr<int64_t>("alloc_id")
-      .template Attr<int64_t>("offset")
-      .template Attr<int64_t>("num_entries")
-      .template Attr<int64_t>("row_bytes")
-      .template Attr<int64_t>("mode")
-      .template Attr<int64_t>("sf_alloc_id")
-      .template Attr<int64_t>("sf_offset")
-      .template Attr<int64_t>("num_sf_packs")
-      .template Attr<int64_t>("sf_layout")
-      .template Attr<int64_t>("overlap")
-      // gather configuration (jax_engram/config.py EngramConfig.ffi_attrs; engram_layout.h Gather / Loads)
-      .template Attr<int64_t>("gather")
-      .template Attr<int64_t>("gather_sms")
-      .template Attr<int64_t>("tma_smem_bytes")
-      .template Attr<int64_t>("sm_loads")
-      .template Attr<int64_t>("sm_blocks_per_sm");
+      .template Attrs<EngramFetchAttrs>();
 }
 
 template <typename B>
@@ -61,8 +91,7 @@ auto bind_engram_wait(B&& b) {
       .template Arg<ffi::AnyBuffer>()  // token (any array; not read)
       .template Ret<ffi::AnyBuffer>()  // data (aliases operand 0)
       .template Ret<ffi::AnyBuffer>()  // sf (aliases operand 1)
-      .template Attr<int64_t>("ctx_id")
-      .template Attr<int64_t>("overlap");
+      .template Attrs<EngramWaitAttrs>();
 }
 
 }  // namespace jax_engram
