@@ -79,7 +79,8 @@ class EngramConfig:
         return self.fetch_gather if overlap else self.lookup_gather
 
     def ffi_attrs(self, overlap: bool) -> dict[str, int]:
-        """The fetch handler's attributes for a fetch with this ``overlap`` (engram_bindings.h)."""
+        """The gather fields of the fetch handler's attributes for a fetch with this ``overlap``
+        (EngramFetchAttrs in ffi/handlers/engram_bindings.h)."""
         return dict(gather=_GATHER[self.gather(overlap)], gather_sms=self.num_sms,
                     tma_smem_bytes=self.tma_smem_kib * 1024, sm_loads=_LOADS[self.sm_loads],
                     sm_blocks_per_sm=self.sm_blocks_per_sm)

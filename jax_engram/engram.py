@@ -281,13 +281,21 @@ class EngramTable:
         return (f"EngramTable({self.num_ranks} ranks x {self.num_entries} rows, hidden={self.hidden}, "
                 f"{self.dtype.name}, placement={self.placement!r}{sf}, {self.nbytes} bytes per rank)")
 
-    def _sf_attrs(self) -> dict:
+    # The attributes of each op are those of its struct in ffi/handlers/engram_bindings.h, all of them and no
+    # other (XLA decodes the whole attribute dictionary into the struct; ctx_id is added by _call.call).
+    def _region_attrs(self) -> dict:
         r = self.sf_region
-        return dict(sf_alloc_id=r.alloc_id if r else 0, sf_offset=r.offset if r else 0)
-
-    def _table_attrs(self) -> dict:
         return dict(alloc_id=self.region.alloc_id, offset=self.region.offset, num_entries=self.num_entries,
-                    row_bytes=self.row_bytes)
+                    row_bytes=self.row_bytes, sf_alloc_id=r.alloc_id if r else 0, sf_offset=r.offset if r else 0)
+
+    def _write_attrs(self, sf_bytes: int) -> dict:
+        """EngramWriteAttrs (less ctx_id)."""
+        return dict(self._region_attrs(), sf_bytes=sf_bytes)
+
+    def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig) -> dict:
+        """EngramFetchAttrs (less ctx_id)."""
+        return dict(self._region_attrs(), mode=mode, num_sf_packs=self.num_sf_packs, sf_layout=sf_layout,
+                    overlap=int(overlap), **config.ffi_attrs(overlap))
 
     def sf_shape(self, num_tokens: int, ids_per_token: int, sf_layout: SfLayout = "row") -> tuple[int, ...]:
         """Local shape of the sf output of a lookup of [num_tokens, ids_per_token] ids (``(0,)`` without scale
@@ -367,8 +375,7 @@ class EngramTable:
             token = _call.new_token(self.ctx)
         token = jnp.asarray(token)
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
-                          storage,
-                          sf, **self._table_attrs(), **self._sf_attrs(), sf_bytes=sf_bytes)
+                          storage, sf, **self._write_attrs(sf_bytes))
 
     def fetch(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
               sf_layout: SfLayout = "row", overlap: bool = True,
@@ -402,9 +409,7 @@ class EngramTable:
                    _call.like(indices, self.sf_shape(T, E, sf_layout), sf_dt),
                    _call.like(indices, (), jnp.int32))
         data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
-                                      **self._table_attrs(), **self._sf_attrs(), mode=mode_i,
-                                      num_sf_packs=self.num_sf_packs, sf_layout=layout_i, overlap=bool(overlap),
-                                      **cfg.ffi_attrs(bool(overlap)))
+                                      **self._fetch_attrs(mode_i, layout_i, bool(overlap), cfg))
         # Device backends check on the device and leave the first bad flat position in `status` (CPU: the fetch
         # itself fails); wait turns it into an error of this call.
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
@@ -425,6 +430,7 @@ class EngramTable:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
                pending.status if token is None else jnp.asarray(token))
+        # EngramWaitAttrs: ctx_id, overlap.
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
                                         *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
