@@ -49,8 +49,8 @@ inline ffi::Error check_gather_config(int32_t op, const EngramFetchAttrs& at) {
   if (at.gather_sms < 1 || at.gather_sms > engram::kMaxGatherSms)
     return op_error(op, "gather_sms " + num(at.gather_sms) + " is not in [1, " + num(engram::kMaxGatherSms) + "]");
   if (at.tma_smem_bytes < engram::kTmaMinSmemBytes || at.tma_smem_bytes > (int64_t{1} << 30))
-    return op_error(op, "tma_smem_bytes " + num(at.tma_smem_bytes) + " is below the minimum " +
-                            num(engram::kTmaMinSmemBytes));
+    return op_error(op, "tma_smem_bytes " + num(at.tma_smem_bytes) + " is not in [" +
+                            num(engram::kTmaMinSmemBytes) + ", 2^30]");
   if (at.sm_loads < engram::kLoadsAuto || at.sm_loads > engram::kLoadsPlain)
     return op_error(op, "bad sm_loads " + num(at.sm_loads) + " (0 auto, 1 volatile, 2 cg, 3 plain)");
   if (at.sm_blocks_per_sm < 0 || at.sm_blocks_per_sm > engram::kMaxBlocksPerSm)

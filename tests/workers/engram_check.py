@@ -636,6 +636,9 @@ def _():
         t = new_table(N, H, BF16, "device", c=c2)
         run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "gather_sms": 0}),
             lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "gather_sms 0")
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_fetch", lambda r, a: (r, {**a, "tma_smem_bytes": 1 << 31}),
+            lambda: jax.block_until_ready(t.lookup_global(sharded(ids))), "tma_smem_bytes 2147483648 is not in")
         t = new_table(N, H, BF16, "device", c=c2)  # the context still works after the refused calls
         t.write_global(x)
         got, _ = t.lookup_global(sharded(ids))
