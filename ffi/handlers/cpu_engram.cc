@@ -1,6 +1,7 @@
 // CPU handlers of the Engram ops: write (barrier, copy the shard into the own window region, barrier), fetch
 // (gather by global id from every peer's region, synchronously) and wait (identity; the buffers are aliased).
-// Operands, results and attributes are the same as the CUDA handlers' (cuda_engram.cc).
+// Operands, results and attribute structs are the CUDA handlers' (engram_bindings.h); overlap and the gather
+// configuration have no effect here.
 #include <cstring>
 #include <string>
 

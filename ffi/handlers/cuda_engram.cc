@@ -1,4 +1,5 @@
-// CUDA handlers of the Engram ops (same names, operands and attributes as cpu_engram.cc, plus `overlap`).
+// CUDA handlers of the Engram ops (same names, operands and attribute structs as cpu_engram.cc:
+// engram_bindings.h).
 //
 // write: make XLA's stream wait for this member's side stream (no fetch of ours still reads the old table),
 //        barrier kernel, copy kernel into the own region (ends with a system fence: published), copy of the
