@@ -182,7 +182,7 @@ def fetch(ctx, ids, rows, *, window: int, region_offset: int, num_entries: int, 
     resolution of ids as the collective path (mode, padding)."""
     out = (jax.ShapeDtypeStruct(rows.shape, rows.dtype), jax.ShapeDtypeStruct((), np.int32))
     call = jax.ffi.ffi_call("jax_engram_engram_gin_fetch", out, has_side_effect=True, input_output_aliases={1: 0})
-    i64 = np.int64
+    i64 = np.int64  # the attributes: EngramGinFetchAttrs (ffi/handlers/engram_bindings.h), all of them
     rows, _ = call(ids, rows, ctx_id=i64(ctx.id), window_id=i64(window), num_entries=i64(num_entries),
                    ranks_per_node=i64(ctx.local_size), nodes=i64(ctx.num_nodes), row_bytes=i64(row_bytes),
                    region_offset=i64(region_offset), local_stride=i64(local_stride), mode=i64(mode))

@@ -295,6 +295,12 @@ def test_hier_lookup_lowers_to_gin_fetch_where_gin(mode):
     assert "all_to_all" not in gin
     assert gin.count("custom_call @jax_engram_engram_fetch") == 1
     attrs = [dict(re.findall(r"(\w+) = (-?\d+) : i64", c)) for c in calls]
+    # The handler decodes the whole attribute dictionary into EngramGinFetchAttrs and never runs here (no GIN
+    # NIC): the calls must carry exactly the struct's fields.
+    header = (REPO_ROOT / "ffi" / "handlers" / "engram_bindings.h").read_text()
+    decl = header.split("::jax_engram::EngramGinFetchAttrs,", 1)[1].split(";", 1)[0]
+    fields = set(re.findall(r'StructMember<int64_t>\("(\w+)"\)', decl))
+    assert "window_id" in fields and all(set(a) == fields for a in attrs), (fields, attrs)
     want_mode = str(MODES[mode])
     # rows: window 11 at 4096, 32-byte rows; scale factors: window 12 at 128, 2 packs of 4 bytes, stride 8 x 8
     assert [(a["window_id"], a["region_offset"], a["row_bytes"], a["local_stride"]) for a in attrs] == \

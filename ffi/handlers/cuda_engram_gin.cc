@@ -9,6 +9,7 @@
 #include <string>
 
 #include "handlers/common.h"
+#include "handlers/engram_bindings.h"
 #include "jax_engram/engram_gin_plan.h"
 #include "kernels/cuda/engram_gin.h"
 #include "runtime/cuda_gin.h"
@@ -18,11 +19,11 @@ namespace jax_engram {
 namespace {
 
 ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer rows_in,
-                              ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> status, int64_t ctx_id,
-                              int64_t window_id, int64_t num_entries, int64_t ranks_per_node, int64_t nodes,
-                              int64_t row_bytes, int64_t region_offset, int64_t local_stride, int64_t mode) {
+                              ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> status,
+                              EngramGinFetchAttrs at) {
   constexpr int32_t op = kOpEngramFetch;
   if (!engram_gin_compiled()) return op_error(op, engram_gin_absent_reason(), ffi::ErrorCode::kUnimplemented);
+  const int64_t ctx_id = at.ctx_id, window_id = at.window_id, row_bytes = at.row_bytes;
   MemberScope s(ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   GinState state;
@@ -38,8 +39,9 @@ ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   const GinState* gs = &state;
   if (ids.element_type() != ffi::DataType::S32) return op_error(op, "ids must be int32");
   const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (num_entries < 1 || ranks_per_node < 1 || nodes < 1 || row_bytes < 1 || region_offset < 0 || local_stride < 0 ||
-      mode < 0 || mode > engram::kModeChecked || ranks_per_node * nodes != gs->nranks)
+  if (at.num_entries < 1 || at.ranks_per_node < 1 || at.nodes < 1 || row_bytes < 1 || at.region_offset < 0 ||
+      at.local_stride < 0 || at.mode < engram::kModeFill || at.mode > engram::kModeChecked ||
+      at.ranks_per_node * at.nodes != gs->nranks)
     return op_error(op, "invalid GIN geometry attributes");
   if (static_cast<int64_t>(rows->size_bytes()) != n * row_bytes || rows_in.size_bytes() != rows->size_bytes())
     return op_error(op, "rows must be [n, row_bytes] for the n ids, in and out alike");
@@ -59,9 +61,9 @@ ffi::Error EngramGinFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   EngramGinArgs a;
   a.ids = static_cast<const int32_t*>(ids.untyped_data());
   a.n = n;
-  a.mode = static_cast<int32_t>(mode);
-  a.geo = engram::GinGeometry{num_entries, static_cast<int32_t>(ranks_per_node), static_cast<int32_t>(nodes),
-                              row_bytes, region_offset, local_stride};
+  a.mode = static_cast<int32_t>(at.mode);
+  a.geo = engram::GinGeometry{at.num_entries, static_cast<int32_t>(at.ranks_per_node), static_cast<int32_t>(at.nodes),
+                              row_bytes, at.region_offset, at.local_stride};
   a.table_host = win.host;
   a.my_node = gs->node;
   a.rank = gs->rank;
@@ -87,15 +89,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramGinFetchCuda, EngramGinFetchCuda,
                                   .Arg<ffi::AnyBuffer>()  // rows from the intra-node lookup [T, E*hidden]
                                   .Ret<ffi::AnyBuffer>()  // rows (aliases operand 1)
                                   .Ret<ffi::AnyBuffer>()  // status int32 (0; a timeout goes to the error record)
-                                  .Attr<int64_t>("ctx_id")
-                                  .Attr<int64_t>("window_id")
-                                  .Attr<int64_t>("num_entries")
-                                  .Attr<int64_t>("ranks_per_node")
-                                  .Attr<int64_t>("nodes")
-                                  .Attr<int64_t>("row_bytes")
-                                  .Attr<int64_t>("region_offset")
-                                  .Attr<int64_t>("local_stride")
-                                  .Attr<int64_t>("mode"));
+                                  .Attrs<EngramGinFetchAttrs>());
 
 static HandlerRegistrar reg_gin_fetch("jax_engram_engram_gin_fetch", reinterpret_cast<void*>(JeEngramGinFetchCuda));
 

@@ -37,6 +37,15 @@ struct EngramWaitAttrs {
   int64_t overlap;  // the fetch's: CUDA joins the side stream back into XLA's; CPU: unused
 };
 
+// Static attributes of the GIN leg of a hierarchical lookup (CUDA only: cuda_engram_gin.cc;
+// jax_engram/_scaleout_gin.py fetch): the table's GIN window and engram::GinGeometry (engram_gin_plan.h).
+struct EngramGinFetchAttrs {
+  int64_t ctx_id;
+  int64_t window_id;
+  int64_t num_entries, ranks_per_node, nodes, row_bytes, region_offset, local_stride;
+  int64_t mode;  // engram::Mode
+};
+
 }  // namespace jax_engram
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
@@ -57,6 +66,12 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("sm_blocks_per_sm"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_engram::EngramWaitAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
                                       ::xla::ffi::StructMember<int64_t>("overlap"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EngramGinFetchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("window_id"), ::xla::ffi::StructMember<int64_t>("num_entries"),
+    ::xla::ffi::StructMember<int64_t>("ranks_per_node"), ::xla::ffi::StructMember<int64_t>("nodes"),
+    ::xla::ffi::StructMember<int64_t>("row_bytes"), ::xla::ffi::StructMember<int64_t>("region_offset"),
+    ::xla::ffi::StructMember<int64_t>("local_stride"), ::xla::ffi::StructMember<int64_t>("mode"));
 
 namespace jax_engram {
 
