@@ -8,10 +8,13 @@ one jitted ``lax.fori_loop`` (slope of n and 3n calls):
   through XLA's ``all_to_all`` over the node axis);
 * ``inter``: the hierarchical path's inter-node leg alone (the same ``all_to_all`` calls with the same shapes);
 * ``bare``: one bare XLA ``all_to_all`` over the flat axis moving the same bytes as ``inter``;
+* ``bare_ragged``: ``jax.lax.ragged_all_to_all`` moving the same bytes (the exact-size primitive the leg could use
+  instead of static capacity; XLA:CPU does not implement it, and the row says so);
 * ``intra``: the hierarchical path with its inter-node exchanges replaced by local copies (the intra-node ops
   and the on-device reordering alone).
 
-Printed ratios: hier / flat, inter / bare (goal on GPUs: <= 1.15), hier / (inter + intra) (goal: <= 1.10).
+Printed ratios: hier / flat, inter / bare (goal on GPUs: <= 1.15), hier / (inter + intra) (goal: <= 1.10),
+bare_ragged / bare.
 On CPU the numbers only prove the plumbing; GPU numbers come with a two-GPU run.
 
     python benchmarks/bench_scaleout.py [--tokens 128] [--hidden 7168] [--ids 64] [--loop 10] [--out s.json]
@@ -88,6 +91,26 @@ def main(argv=None) -> int:
         f = jax.shard_map(body, mesh=fmesh, in_specs=P("ep"), out_specs=P("ep"))
         return f, put(np.zeros((2, Nn * chunk), np.uint8), fmesh, P("ep"))
 
+    def bare_ragged_us(nbytes):
+        """One jax.lax.ragged_all_to_all over the flat axis moving the same bytes as bare_step (exact sizes: the
+        primitive the inter-node leg could use instead of a static-capacity all_to_all), or the error string
+        where the platform does not implement it (XLA:CPU)."""
+        chunk = max(1, nbytes // (Nn - 1))
+
+        def body(b, out):
+            me = jax.lax.axis_index("ep")
+            off = jnp.arange(Nn, dtype=jnp.int32) * chunk
+            sizes = jnp.full((Nn,), chunk, jnp.int32)
+            r = jax.lax.ragged_all_to_all(b[0], out[0], off, sizes, jnp.full((Nn,), me * chunk, jnp.int32), sizes,
+                                          axis_name="ep")
+            return b + jnp.uint8(1), r[None]
+        f = jax.shard_map(body, mesh=fmesh, in_specs=(P("ep"), P("ep")), out_specs=(P("ep"), P("ep")))
+        z = put(np.zeros((2, Nn * chunk), np.uint8), fmesh, P("ep"))
+        try:
+            return timed(lambda c: f(*c), (z, z)), None
+        except Exception as e:  # noqa: BLE001 - XLA:CPU has no ragged all-to-all
+            return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
     try:
         # ------------------------------------------------------------------------------------ MoE step
         x = rng.standard_normal((2, N, H)).astype(jnp.bfloat16)
@@ -122,6 +145,7 @@ def main(argv=None) -> int:
                    hier_us=timed(moe_step(hier, hmesh, P(HAX)), (xh, tkh)),
                    inter_us=timed(moe_inter, (xh, tkh)),
                    bare_us=timed(lambda b: bf(b), bb))
+        row["bare_ragged_us"], row["ragged_error"] = bare_ragged_us(nbytes)
         row["intra_us"] = _without_inter(hier, lambda: timed(moe_step(hier, hmesh, P(HAX)), (xh, tkh)))
         rows.append(row)
 
@@ -159,6 +183,7 @@ def main(argv=None) -> int:
                    flat_us=timed(engram_step(tabs["flat"], fmesh, P("ep")), cf),
                    hier_us=timed(engram_step(tabs["hier"], hmesh, P(HAX)), ch),
                    inter_us=timed(eng_inter, ch), bare_us=timed(lambda b: bf(b), bb))
+        row["bare_ragged_us"], row["ragged_error"] = bare_ragged_us(nbytes)
         row["intra_us"] = _without_inter(hier, lambda: timed(engram_step(tabs["hier"], hmesh, P(HAX)), ch))
         rows.append(row)
         flat.check()
@@ -171,13 +196,18 @@ def main(argv=None) -> int:
         r["hier_over_flat"] = r["hier_us"] / r["flat_us"]
         r["inter_over_bare"] = r["inter_us"] / r["bare_us"]
         r["hier_over_inter_plus_intra"] = r["hier_us"] / (r["inter_us"] + r["intra_us"])
-    C.print_table(rows, ["op", "flat_us", "hier_us", "inter_us", "bare_us", "intra_us", "inter_bytes_per_rank",
+        r["ragged_over_bare"] = r["bare_ragged_us"] / r["bare_us"] if r["bare_ragged_us"] else None
+    C.print_table(rows, ["op", "flat_us", "hier_us", "inter_us", "bare_us", "bare_ragged_us", "intra_us",
+                         "inter_bytes_per_rank",
                          "hier_over_flat", "inter_over_bare", "hier_over_inter_plus_intra"],
                   title="hierarchical (2 nodes x 1) vs flat, per call (us)")
     for r in rows:
         print(f"{r['op']}: hier/flat {r['hier_over_flat']:.2f}x, inter-node leg / bare all_to_all "
               f"{r['inter_over_bare']:.2f}x (goal <= 1.15 on GPUs), hier / (inter + intra) "
               f"{r['hier_over_inter_plus_intra']:.2f}x (goal <= 1.10)", flush=True)
+        print(f"{r['op']}: the same bytes by ragged_all_to_all / all_to_all: "
+              + (f"{r['ragged_over_bare']:.2f}x" if r["ragged_over_bare"] else f"n/a ({r['ragged_error']})"),
+              flush=True)
     if args.out:
         C.write_json(args.out, dict(config=vars(args), env=C.env_info(), rows=rows))
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|engram_gather|ep|probe|probe_engram|probe_reduce|bench_engram|bench_engram_overlap|bench_ep|bench_ep_fair|peer_deepep]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|engram_gather|ep|scaleout|reliability|probe|probe_engram|probe_reduce|bench_engram|bench_engram_overlap|bench_ep|bench_ep_fair|peer_deepep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -57,6 +57,15 @@ for what in "${@:-foundation}"; do
       grep -m3 "jax_engram engram fetch" "$OUT/engram_tma.log" | tee -a "$OUT/summary.txt"
       CUDA_VISIBLE_DEVICES=0 timeout 300 $PY tests/workers/engram_check.py --platform cuda --suite full > "$OUT/engram_default.log" 2>&1
       log "engram_check 1 GPU default config rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/engram_default.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+    scaleout)  # issue 23 on 1-2 GPUs: the (node, gpu) path at 1 x 1, 2 x 1 (also on NCCL's network transport) and
+               # 1 x 2, bit-exact; then the benchmark (hierarchical vs flat, inter-node leg vs bare collectives)
+      timeout 900 $PY -m pytest -q -rA tests/test_scaleout.py -k "one_gpu or two_gpus" > "$OUT/scaleout.log" 2>&1
+      log "scaleout pytest rc=$?"; grep -E "^PASSED|^FAILED|^SKIPPED|passed|failed" "$OUT/scaleout.log" | tail -8 | tee -a "$OUT/summary.txt"
+      timeout 300 $PY benchmarks/bench_scaleout.py --out "$OUT/bench_scaleout.json" > "$OUT/bench_scaleout.log" 2>&1
+      log "bench_scaleout rc=$?"; grep -E "hier/flat|ragged" "$OUT/bench_scaleout.log" | tee -a "$OUT/summary.txt" ;;
+    reliability)  # issue 19 on one GPU (ranks sharing it): checked/routing errors, leaks, the fault cases, NCCL init expiry
+      timeout 300 $PY -m pytest -q -rA -s tests/test_reliability.py -k gpu > "$OUT/reliability.log" 2>&1
+      log "reliability pytest rc=$?"; grep -E "^PASSED|^FAILED|passed|failed|ERROR_AFTER" "$OUT/reliability.log" | cut -c1-300 | tail -14 | tee -a "$OUT/summary.txt" ;;
     bench_engram_overlap)  # issue 20's table on one GPU, host placement
       CUDA_VISIBLE_DEVICES=0 timeout 420 $PY benchmarks/bench_engram.py --overlap --out "$OUT/bench_engram_overlap.json" > "$OUT/bench_engram_overlap.log" 2>&1
       log "bench_engram --overlap rc=$?"; sed -n '/^Engram fetch beside/,$p' "$OUT/bench_engram_overlap.log" | head -80 ;;
