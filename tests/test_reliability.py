@@ -70,6 +70,7 @@ def test_init_close_and_failed_init_leak_nothing_cpu():
 @pytest.mark.gpu(1)
 def test_init_close_and_failed_init_leak_nothing_gpu():
     res = _result(_run("leak_check.py", "--platform", "cuda", "--cycles", "20", env={"CUDA_VISIBLE_DEVICES": "0"}))
+    print("LEAK_COUNTS", json.dumps({k: res.get(k) for k in ("steady", "failed_init_leaks", "leaks")}))
     # On CUDA the driver and NCCL create a few threads and mappings of their own the first times they are used
     # (seen: 1 thread over 22 cycles), so the GPU check is per cycle: nothing may grow over the last
     # 10 cycles, nor through the failed init.
