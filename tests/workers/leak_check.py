@@ -58,6 +58,17 @@ def _cuda_free_bytes():
     return -1
 
 
+def thread_names() -> dict[str, str]:
+    """This process's OS threads: tid -> name (``/proc/self/task/<tid>/comm``)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+    return out
+
+
 def snapshot() -> dict:
     maps = Path("/proc/self/maps").read_text().splitlines()
     return {"fds": len(os.listdir("/proc/self/fd")), "memfd_maps": sum("memfd:jax_engram" in l for l in maps),
@@ -131,6 +142,7 @@ cycle(0)  # warm-up: JAX's own lazily created threads, pools and caches
 info0 = cycle(1)
 jax.clear_caches()
 before = snapshot()
+threads_before = thread_names()
 for i in range(args.cycles // 2):
     cycle(i)
 mid = snapshot()
@@ -143,6 +155,7 @@ except Exception as e:  # noqa: BLE001
     failed_init = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 jax.clear_caches()
 after = snapshot()
+new_threads = sorted(n for t, n in thread_names().items() if t not in threads_before)
 leaks = {k: after[k] - before[k] for k in before if k != "gpu_free_bytes"}
 leaks["gpu_free_bytes_lost"] = before["gpu_free_bytes"] - after["gpu_free_bytes"]
 # The second half of the cycles alone (a leak per cycle shows here; a library's one-time lazy state does not), and
@@ -154,7 +167,9 @@ print("FAILED_INIT", failed_init, flush=True)
 print("BEFORE", json.dumps(before), "AFTER", json.dumps(after), flush=True)
 print("LEAKS", json.dumps(leaks), flush=True)
 print("STEADY", json.dumps(steady), "FAILED_INIT_LEAKS", json.dumps(failed_init_leaks), flush=True)
+print("NEW_THREADS", json.dumps(new_threads), flush=True)
 print("RESULT " + json.dumps({"leaks": leaks, "steady": steady, "failed_init_leaks": failed_init_leaks,
+                              "new_threads": new_threads,
                               "failed_init": failed_init, "cycles": args.cycles, "ranks": R,
                               "live_contexts": len(je.live_contexts()),
                               "memfd_maps_while_open": max(open_counts),
