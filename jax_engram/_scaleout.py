@@ -696,26 +696,26 @@ def _dispatch_fwd(cfg, zero_padding, x, w, sf, topk, token):
     return out, (out[3], x, w, token)
 
 
-def _combine_ct(cfg, g_x, g_w, x_like_rows_dtype):
+def _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_tok):
+    """(dx, dw, token cotangent) of a (cached) dispatch: the combine of the received rows' cotangents through the
+    handle h (FP8 inputs get no dx)."""
     ep = _ep()
-    g = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
-    return g
-
-
-def _dispatch_bwd(cfg, zero_padding, saved, g):
-    ep = _ep()
-    h, x, w, token = saved
-    g_x, _, g_w, g_h = g
     g_x = ep._float_ct(g_x, jnp.zeros((cfg.rows, x.shape[1]), x.dtype))
     y = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
     gw = None
     if w is not None:
         gw = ep._float_ct(g_w, jnp.zeros((cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk), jnp.float32))
-    g_tok = ep._float_ct(g_h.token, token)
+    g_tok = ep._float_ct(g_tok, token)
     dx, dw, t = _combine_impl(cfg, cfg.ctx.varying(y), None if gw is None else cfg.ctx.varying(gw), (), h,
                               cfg.ctx.varying(g_tok.astype(jnp.float32)))
     dx = None if ep._is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
-    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+    return dx, dw, jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+
+
+def _dispatch_bwd(cfg, zero_padding, saved, g):
+    h, x, w, token = saved
+    g_x, _, g_w, g_h = g
+    dx, dw, tok_ct = _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_h.token)
     return dx, dw, None, None, tok_ct
 
 
@@ -732,19 +732,9 @@ def _cached_fwd(cfg, zero_padding, x, w, sf, h, token):
 
 
 def _cached_bwd(cfg, zero_padding, saved, g):
-    ep = _ep()
     h, x, w, token = saved
     g_x, _, g_w, g_tok = g
-    g_x = ep._float_ct(g_x, jnp.zeros((cfg.rows, x.shape[1]), x.dtype))
-    y = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
-    gw = None
-    if w is not None:
-        gw = ep._float_ct(g_w, jnp.zeros((cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk), jnp.float32))
-    g_tok = ep._float_ct(g_tok, token)
-    dx, dw, t = _combine_impl(cfg, cfg.ctx.varying(y), None if gw is None else cfg.ctx.varying(gw), (), h,
-                              cfg.ctx.varying(g_tok.astype(jnp.float32)))
-    dx = None if ep._is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
-    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
+    dx, dw, tok_ct = _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_tok)
     return dx, dw, None, jax.tree_util.tree_map(lambda _: None, h), tok_ct
 
 
