@@ -197,7 +197,9 @@ def _():
            je.EngramTable.__init__, je.EngramTable.write, je.EngramTable.fetch, je.EngramTable.wait,
            je.EngramTable.lookup, je.EngramTable.write_global, je.EngramTable.lookup_global, L.engram_ids,
            L.engram_local, L.moe_local, L.route, L.moe_experts, L.moe_layer_reference, L.engram_layer_reference,
-           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__]
+           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__,
+           je.engram_prefetch, L.engram_dequantize, L.engram_decode_init, L.engram_decode_ids,
+           nn.EngramMemory.prefetch, nn.EngramMemory.decode_ids]
     missing = []
     for f in fns:
         sig = inspect.signature(f)
