@@ -46,7 +46,8 @@ from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
            "engram_layer_reference", "engram_prefetch", "GlobalEngramPending", "engram_dequantize",
-           "EngramDecodeState", "engram_decode_init", "engram_decode_ids", "route", "moe_experts", "moe_local", "moe_layer", "moe_layer_reference",
+           "EngramDecodeState", "engram_decode_init", "engram_decode_ids", "route", "moe_experts", "moe_local",
+           "moe_layer", "moe_layer_reference",
            "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
 
 Params = Mapping[str, jax.Array]
