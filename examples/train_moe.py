@@ -4,8 +4,8 @@ The model: token embedding -> ``jax_engram.nn.EngramMemory`` (hashed 2-/3-gram l
 the expert-parallel ranks, prefetched at the start of the step, gated into the hidden state) -> residual
 ``jax_engram.nn.MoE`` (experts sharded over the same ranks) -> RMS norm -> output projection. The data:
 sequences where every next token is a fixed function of the two before it (a rule of the vocabulary, plus a
-little noise), so the loss can only fall if the layers learn; the table's rows (one per hashed bigram) are random and fixed, the gate's projections
-learn to read them.
+little noise), so the loss can only fall if the layers learn; the table's rows (one per hashed bigram) are
+random and fixed, the gate's projections learn to read them.
 
 Run: ``python examples/train_moe.py [--devices 4] [--steps 30]`` (CPU devices by default). Prints the loss
 curve and exits non-zero unless the loss decreased (the last steps' mean at most ``--max-ratio`` of the
