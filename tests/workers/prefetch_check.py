@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="cpu", choices=["cpu", "cuda"], help="cuda: every visible GPU is a rank")
@@ -34,6 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_engram as je  # noqa: E402
 from jax_engram import layers as L  # noqa: E402
 from jax_engram import reference as ref  # noqa: E402
+from checklib import make_check  # noqa: E402
 
 NAMES = ["wait_after_under_grad", "two_prefetched_layers_grad_vs_reference", "modes_and_padding_through_prefetch",
          "layers_inside_user_shard_map", "nnx_two_memories_prefetch_value_and_grad", "decode_ids_match_full_sequence",
@@ -49,21 +49,12 @@ ctx = je.init(mesh, "ep", timeout_s=60.0)
 checks: dict[str, bool] = {}
 
 
+check_one = make_check(checks, args.only, skip=lambda name: name.startswith("hierarchical") and R % 2 == 1)
+
+
 def check(name):
     assert name in NAMES, name
-
-    def deco(fn):
-        if (args.only and name not in args.only.split(",")) or (name.startswith("hierarchical") and R % 2):
-            return fn
-        try:
-            fn()
-            ok, detail = True, ""
-        except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        checks[name] = ok
-        print(f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail}".rstrip(), flush=True)
-        return fn
-    return deco
+    return check_one(name)
 
 
 def put(a, spec=P("ep")):
