@@ -7,7 +7,13 @@ Two levels:
   context's mesh axis): :func:`engram_layer`, :func:`moe_layer`.
 * Per rank (call inside your own ``shard_map`` over ``ctx.axis_name``, local shapes): :func:`engram_local`,
   :func:`moe_local` and their pieces (:func:`engram_ids`, :func:`engram_gate_add`, :func:`route`,
-  :func:`moe_experts`).
+  :func:`moe_experts`). :func:`engram_layer` called inside such a ``shard_map`` is :func:`engram_local`.
+
+Prefetch: :func:`engram_prefetch` starts an Engram layer's lookups from the token ids alone (at the start of the
+step); the layer consumes them with ``pending=`` and waits after its input, so the work before the layer
+overlaps the reads (GPU). Works per rank and on global arrays, under ``jax.grad``. The decode form
+(:class:`EngramDecodeState`, :func:`engram_decode_init`, :func:`engram_decode_ids`) gives the ids of each
+sequence's newest token from a small carried state, for inference loops.
 
 Pure-JAX twins on the global view (:func:`engram_layer_reference`, :func:`moe_layer_reference`) run the same
 math on :mod:`jax_engram.reference`, for checks.
@@ -336,6 +342,10 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
     if token is not None:
         raise ValueError(f"{where}: token= orders per-rank ops and is only accepted inside shard_map over "
                          f"{table.ctx.axis_name!r}")
+    if not isinstance(ids if token_ids is None else token_ids, jax.core.Tracer):
+        # Eagerly, the pending buffers would leave a finished program while (GPU) the reads still fill them.
+        raise RuntimeError(f"{where}: call it inside the jitted step that also runs the layer consuming it "
+                           "(jax.jit / nnx.jit), not eagerly: a pending lookup lives within one program")
     fn = _prefetch_fn(table, hashing, mode, config, ids is not None)
     return fn(ids if token_ids is None else token_ids)
 

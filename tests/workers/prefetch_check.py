@@ -363,6 +363,7 @@ def _():
     x, tok = put(x_h), put(tok_h)
     raises(lambda: L.engram_layer(params_g["e1"], x, table=T1, hashing=H1), TypeError, "exactly one")
     raises(lambda: L.engram_prefetch(T1, tok, ids=tok, hashing=H1), TypeError, "exactly one")
+    raises(lambda: L.engram_prefetch(T1, tok, hashing=H1), RuntimeError, "not eagerly")
 
     z = jnp.zeros((0,), jnp.int32)
     raises(lambda: L.engram_layer(params_g["e1"], x, table=T1, hashing=H1,
