@@ -282,6 +282,11 @@ def _():
     want = L.engram_layer_reference(q2, h, tok_h, table_rows=rows(m2), num_ranks=R, hashing=H2)
     assert rel(loss, jnp.sum(want ** 2)) <= 1e-5, (float(loss), float(jnp.sum(want ** 2)))
 
+    st = L.engram_decode_init(B, hashing=H1)
+    ids_m, _ = m1.decode_ids(st, tok_h[:, 1])
+    ids_f, _ = L.engram_decode_ids(st, tok_h[:, 1], hashing=H1, total_entries=m1.table.total_entries)
+    assert np.array_equal(np.asarray(ids_m), np.asarray(ids_f))
+
     # The module inside a user's shard_map: prefetch and call on local shapes.
     gd, state = nnx.split(model.mem1)
 
