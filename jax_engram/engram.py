@@ -13,8 +13,8 @@ Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)
 
     token = table.write(storage, sf=None, token=None)    # storage [num_entries, hidden]: this rank's shard
     pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, I] global ids
-    ...                                                  # independent XLA work overlaps the reads (GPU)
-    data, sf = table.wait(pending)                       # data [T, I*hidden], sf per sf_layout or None
+    h = ...                                              # independent XLA work overlaps the reads (GPU)
+    data, sf = table.wait(pending, after=h)              # data [T, I*hidden], sf per sf_layout or None
     data, sf = table.lookup(indices, token, ...)         # fetch + wait
 
 (T tokens, I = ids per token; tokens are float32 scalars, as for every jax_engram op.)
@@ -371,9 +371,9 @@ class EngramTable:
                 raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
             sf = jnp.zeros((0,), jnp.int32)
             sf_bytes = 0
-        if token is None:
-            token = _call.new_token(self.ctx)
-        token = jnp.asarray(token)
+        # The token only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
+        # lookup inside a training step; the write contributes no gradient to it).
+        token = _call.new_token(self.ctx) if token is None else jax.lax.stop_gradient(jnp.asarray(token))
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
                           storage, sf, **self._write_attrs(sf_bytes))
 
@@ -384,7 +384,8 @@ class EngramTable:
         pending lookup for ``wait``.
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
-        must be computed first). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
+        must be computed first; it only orders the fetch, so it may be a differentiated array: the fetch adds
+        nothing to its gradient). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
         "row" -> sf [T, I*P]; "tma_col_major" -> sf [I*P, align(T, 4)] (column-major by token, zero padding).
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
@@ -399,7 +400,9 @@ class EngramTable:
         layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
         T, E = indices.shape
-        token = indices if token is None else jnp.asarray(token)
+        # Ordering only (stop_gradient: under jax.grad a differentiated token must not reach the FFI call, which
+        # has no derivative; the rows are constants of the ids, which are integers).
+        token = indices if token is None else jax.lax.stop_gradient(jnp.asarray(token))
         sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
         if T * E == 0:  # nothing to read (XLA cannot compile the aliasing wait on empty buffers)
             return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
@@ -415,12 +418,16 @@ class EngramTable:
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
         return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total)
 
-    def wait(self, pending: EngramPending, token: Optional[jax.Array] = None
+    def wait(self, pending: EngramPending, *, after: Optional[jax.Array] = None
              ) -> tuple[jax.Array, Optional[jax.Array]]:
         """Wait for a pending fetch; returns ``(data [T, I*hidden] of the table's dtype, sf or None)``.
 
-        ``token``: optional array that must be computed before the wait (e.g. the result of the work meant to
-        overlap the reads), so that XLA cannot schedule the wait before that work.
+        ``after``: an array (any shape and dtype) that must be computed before the wait, typically the hidden
+        state at the layer that consumes the rows, i.e. the result of the work meant to overlap the reads.
+        Without it XLA may place the wait right after the fetch (nothing overlaps). It only orders: ``after`` may
+        be differentiated (under ``jax.grad`` / ``jax.vjp`` the wait adds nothing to its gradient), and the
+        rows are constants (their ids are integers). The wait returns only the rows: whatever consumes them is
+        ordered after the wait, and nothing else needs to be.
         """
         _call.check_axis(self.ctx, "EngramTable.wait")
         if not isinstance(pending, EngramPending):
@@ -429,7 +436,7 @@ class EngramTable:
         if pending.data.size == 0:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
-               pending.status if token is None else jnp.asarray(token))
+               pending.status if after is None else jax.lax.stop_gradient(jnp.asarray(after)))
         # EngramWaitAttrs: ctx_id, overlap.
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(

@@ -11,7 +11,6 @@ import inspect
 import json
 import os
 import sys
-import traceback
 import typing
 import warnings
 
@@ -31,6 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import layers as L  # noqa: E402
+from checklib import make_check  # noqa: E402
 
 R = args.cpu_devices
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -38,19 +38,7 @@ ctx = je.init(mesh, "ep", timeout_s=args.timeout)
 checks: dict[str, bool] = {}
 
 
-def check(name):
-    def deco(fn):
-        if args.only and name not in args.only.split(","):
-            return fn
-        try:
-            fn()
-            ok, detail = True, ""
-        except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        checks[name] = ok
-        print(f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail}".rstrip(), flush=True)
-        return fn
-    return deco
+check = make_check(checks, args.only)
 
 
 def smap(f, in_specs, out_specs):
@@ -197,7 +185,9 @@ def _():
            je.EngramTable.__init__, je.EngramTable.write, je.EngramTable.fetch, je.EngramTable.wait,
            je.EngramTable.lookup, je.EngramTable.write_global, je.EngramTable.lookup_global, L.engram_ids,
            L.engram_local, L.moe_local, L.route, L.moe_experts, L.moe_layer_reference, L.engram_layer_reference,
-           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__]
+           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__,
+           je.engram_prefetch, L.engram_dequantize, L.engram_decode_init, L.engram_decode_ids,
+           nn.EngramMemory.prefetch, nn.EngramMemory.decode_ids]
     missing = []
     for f in fns:
         sig = inspect.signature(f)

@@ -343,7 +343,7 @@ def _():
         pend = t.fetch(i, mode="clip")
         for _ in range(3):  # independent XLA work between fetch and wait
             y = jnp.tanh(y @ y.T) @ y
-        data, _ = t.wait(pend, token=y)  # the wait comes after the work
+        data, _ = t.wait(pend, after=y)  # the wait comes after the work
         return data, y
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P(AX, None)),
@@ -382,7 +382,7 @@ def _check_configs(t, x, sf, T, E, modes, layouts, seed, configs=tuple(_GATHER_C
                 def body(i, m=mode, lay=layout, c=cfg):  # overlapped fetch (side stream on GPU) with XLA work
                     pend = t.fetch(i, mode=m, sf_layout=lay, config=c)
                     y = jnp.tanh(jnp.ones((64, 64), jnp.float32) @ jnp.ones((64, 64), jnp.float32))
-                    d, s2 = t.wait(pend, token=y)
+                    d, s2 = t.wait(pend, after=y)
                     return d, (s2 if s2 is not None else jnp.zeros((1, 1), jnp.float32))
 
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX, None),
