@@ -14,6 +14,8 @@ import sys
 import typing
 import warnings
 
+from _harness import Checks
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu-devices", type=int, default=2)
 ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
@@ -30,15 +32,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import layers as L  # noqa: E402
-from checklib import make_check  # noqa: E402
 
 R = args.cpu_devices
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
 ctx = je.init(mesh, "ep", timeout_s=args.timeout)
-checks: dict[str, bool] = {}
-
-
-check = make_check(checks, args.only)
+checks = Checks(select=lambda name: not args.only or name in args.only.split(","))
+check = checks.case
 
 
 def smap(f, in_specs, out_specs):
@@ -323,5 +322,5 @@ def _():
 
 
 ctx.close()
-print("RESULT " + json.dumps({"checks": checks, "devices": R}), flush=True)
-sys.exit(0 if all(checks.values()) else 1)
+print("RESULT " + json.dumps({"checks": checks.results, "devices": R}), flush=True)
+sys.exit(0 if all(checks.results.values()) else 1)

@@ -18,18 +18,16 @@ import sys
 import threading
 from pathlib import Path
 
+from _harness import start
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="cpu", choices=["cpu", "cuda"])
 ap.add_argument("--cpu-devices", type=int, default=4)
 ap.add_argument("--cycles", type=int, default=20)
 args = ap.parse_args()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+start(args.platform, args.cpu_devices)
 import jax  # noqa: E402
-
-jax.config.update("jax_platforms", "cuda,cpu" if args.platform == "cuda" else "cpu")
-if args.platform == "cpu":
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402

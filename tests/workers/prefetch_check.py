@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_engram as je  # noqa: E402
 from jax_engram import layers as L  # noqa: E402
 from jax_engram import reference as ref  # noqa: E402
-from checklib import make_check  # noqa: E402
+from _harness import Checks  # noqa: E402
 
 NAMES = ["wait_after_under_grad", "two_prefetched_layers_grad_vs_reference", "modes_and_padding_through_prefetch",
          "layers_inside_user_shard_map", "nnx_two_memories_prefetch_value_and_grad", "decode_ids_match_full_sequence",
@@ -46,15 +46,13 @@ if args.list:
 R = args.cpu_devices if args.platform == "cpu" else len(jax.devices())
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
 ctx = je.init(mesh, "ep", timeout_s=60.0)
-checks: dict[str, bool] = {}
-
-
-check_one = make_check(checks, args.only, skip=lambda name: name.startswith("hierarchical") and R % 2 == 1)
+checks = Checks(select=lambda name: (not args.only or name in args.only.split(","))
+                and not (name.startswith("hierarchical") and R % 2 == 1))
 
 
 def check(name):
     assert name in NAMES, name
-    return check_one(name)
+    return checks.case(name)
 
 
 def put(a, spec=P("ep")):
@@ -410,6 +408,6 @@ def _():
         ctx2.close()
 
 
-print("RESULT " + json.dumps({"checks": checks, "devices": R}), flush=True)
+print("RESULT " + json.dumps({"checks": checks.results, "devices": R}), flush=True)
 ctx.close()
-sys.exit(0 if all(checks.values()) else 1)
+sys.exit(0 if all(checks.results.values()) else 1)
