@@ -1,4 +1,5 @@
 #include "runtime/runtime.h"
+#include "runtime/host_gather.h"
 
 #include <unistd.h>
 
@@ -44,6 +45,7 @@ Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
   // No new handler can acquire the member now; wait (bounded) for those still executing.
   for (int i = 0; raw->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
   Status q = backend_->quiesce(*raw);
+  stop_host_gather(*raw);  // after the quiesce: a stream still waiting on a host gather's flags was released
   {
     std::unique_lock lock(mu_);
     auto it = members_.find({ctx, ordinal});

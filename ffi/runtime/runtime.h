@@ -38,6 +38,7 @@ struct Export {
 };
 
 struct Member;
+class HostGatherPool;
 
 // One member's view of one symmetric allocation: its own memory and a pointer to every peer's.
 struct Allocation {
@@ -77,6 +78,11 @@ struct Member {
   std::atomic<int> inflight{0};         // handlers currently executing on this member
   std::atomic<bool> closing{false};
   std::shared_ptr<void> backend_state;  // streams, NCCL communicator, ...
+  // Worker threads of host-table Engram gathers (runtime/host_gather.h): created at first use, joined by
+  // destroy_member after the backend's quiesce.
+  std::mutex host_gather_mu;
+  std::shared_ptr<HostGatherPool> host_gather;
+  std::atomic<bool> host_gather_fail_next{false};  // test hook: the next host gather job fails in its worker
 
   uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
   Allocation* alloc(int64_t id) {
