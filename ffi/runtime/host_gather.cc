@@ -98,9 +98,12 @@ bool HostGatherJob::wait(double timeout_s) {
 }
 
 // ----------------------------------------------------------------------------------------------- pool
-HostGatherPool* HostGatherPool::of(Member& m, int threads) {
+HostGatherPool* HostGatherPool::of(Member& m, int threads, int numa_node) {
   std::lock_guard<std::mutex> lk(m.host_gather_mu);
-  if (!m.host_gather) m.host_gather = std::make_shared<HostGatherPool>(m.label + " rank " + std::to_string(m.rank));
+  if (!m.host_gather) {
+    m.host_gather = std::make_shared<HostGatherPool>(m.label + " rank " + std::to_string(m.rank));
+    m.host_gather->set_cpus(numa_node_cpus(numa_node));
+  }
   m.host_gather->grow(std::max(threads, 1));
   return m.host_gather.get();
 }

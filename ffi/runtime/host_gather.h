@@ -67,8 +67,9 @@ struct HostGatherJob {
 
 class HostGatherPool {
  public:
-  // The member's pool with at least `threads` workers (created, or grown, here).
-  static HostGatherPool* of(Member& m, int threads);
+  // The member's pool with at least `threads` workers (created, or grown, here). numa_node >= 0: workers are
+  // pinned to that host NUMA node's CPUs (the GPU's, where known).
+  static HostGatherPool* of(Member& m, int threads, int numa_node = -1);
   explicit HostGatherPool(std::string label) : label_(std::move(label)) {}
   ~HostGatherPool() { stop(); }
   HostGatherPool(const HostGatherPool&) = delete;

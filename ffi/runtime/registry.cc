@@ -199,6 +199,10 @@ std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_ex
       s += "index out of range in mode='checked': id " + to_string(e.observed) + " at flat position " +
            to_string(e.detail) + " is not in [0, " + to_string(e.expected) + ")";
       break;
+    case kErrHostGather:
+      s += "a worker of the host gather pool failed while gathering the rows of a host-table fetch (" +
+           to_string(e.detail) + " work items), so that fetch's rows are invalid";
+      break;
     case kErrSequence:
       s += "the handler counted " + to_string(e.expected) + " dispatch calls on this context but the device " +
            to_string(e.observed) + " (copy-engine dispatch: the copies chose the staging half by the host's count). "

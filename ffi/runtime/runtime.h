@@ -49,6 +49,8 @@ struct Allocation {
   std::vector<uint8_t*> peers;           // peers[r]: rank r's memory as mapped in this member's view
                                          // (nullptr: not reachable by loads/stores, e.g. another host)
   void* peers_device = nullptr;          // device-readable array of `peers` (CUDA); peers.data() on CPU
+  bool cpu_readable = true;              // this process's CPU threads may read every peer's host segments through
+                                         // `peers` (CUDA: granted at mapping; false if the driver refused)
   Export exported;                       // what we published (fds closed by close_exports)
   std::shared_ptr<void> backend_state;   // handles, imported mappings: released by Backend::free_alloc
 };
