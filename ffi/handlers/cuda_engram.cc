@@ -10,8 +10,8 @@
 //        stream: the gather runs on XLA's stream. A host-placed table with host_gather=1 (and CPU access to its
 //        segments) takes the host path (engram_host.h: CPU workers + copy engine, no SMs for the rows); else the
 //        GPU gather kernel.
-// wait:  overlap=1: make XLA's stream wait for the fetch's slot event (only that fetch, not later ones). The data / sf results
-//        alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
+// wait:  overlap=1: make XLA's stream wait for the fetch's slot event (only that fetch, not later ones; slot 0: for
+//        everything on the side stream so far). The data / sf results alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
 // checked mode: the range check runs on the device; the first bad position is left in the status result, which
 //        engram.py's wait hands to a host callback that fails the call (the context is not poisoned).
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
@@ -181,9 +181,10 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     if (auto e = order_after(m, op, stream, st.side_stream, true); !e.success()) return e;
     run_on = st.side_stream;
   }
-  const bool table_on_host = !region_in_device_segments(*a, static_cast<uint64_t>(offset),
-                                                        static_cast<uint64_t>(num_entries) * row_bytes);
-  if (at.host_gather == engram::kHostGatherCpu && table_on_host && a->cpu_readable) {
+  const uint64_t table_bytes = static_cast<uint64_t>(num_entries) * row_bytes;
+  const bool in_device = region_in_device_segments(*a, static_cast<uint64_t>(offset), table_bytes);
+  if (at.host_gather == engram::kHostGatherCpu && a->cpu_readable &&
+      region_in_host_segments(*a, static_cast<uint64_t>(offset), table_bytes)) {
     // The host path: CPU workers gather, the copy engine moves the rows (engram_host.h); no SMs for the rows.
     EngramHostFetchArgs h;
     h.member = &m;
@@ -201,8 +202,8 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     if (sf_table && P > 0) {
       Allocation* sa = m.alloc(at.sf_alloc_id);
       const uint64_t sf_bytes = static_cast<uint64_t>(fs.total * P * engram::kSfWordBytes);
-      h.sf_host = sa && sa->cpu_readable && !region_in_device_segments(*sa, static_cast<uint64_t>(at.sf_offset),
-                                                                        sf_bytes);
+      h.sf_host = sa && sa->cpu_readable && region_in_host_segments(*sa, static_cast<uint64_t>(at.sf_offset),
+                                                                     sf_bytes);
     }
     h.P = P;
     h.sf_layout = static_cast<int32_t>(at.sf_layout);
@@ -241,7 +242,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.err = nullptr;
   f.rank = m.rank;
   f.sm_count = st.sm_count;
-  f.device_memory = !table_on_host;
+  f.device_memory = in_device;
   f.timeout_ns = m.timeout_ns();
   f.timeout_err = m.error_device;  // a stalled bulk copy is a device failure, reported like any other
   f.gather = static_cast<int32_t>(at.gather);

@@ -122,7 +122,7 @@ Status map_all(const CudaDriver* d, Mapping& mp, size_t align, int device, const
   if (r != CUDA_SUCCESS)
     return "cuMemSetAccess(read/write for GPU " + std::to_string(device) + ") on " + what + " failed: " +
            cu_error_string(r);
-  size_t off = 0;
+  off = 0;
   for (size_t i = 0; i < mp.sizes.size(); ++i) {
     if (i < segs.size() && segs[i].kind == SegmentKind::kHost) {
       CUmemAccessDesc both[2] = {acc, {}};

@@ -66,6 +66,17 @@ inline bool region_in_device_segments(const Allocation& a, uint64_t off, uint64_
   return true;
 }
 
+// True if [off, off + bytes) of the allocation lies in host segments only (CPU-readable where a->cpu_readable).
+inline bool region_in_host_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+  uint64_t base = 0;
+  for (const SegmentSpec& seg : a.segments) {
+    const uint64_t end = base + seg.bytes;
+    if (off < end && off + bytes > base && seg.kind != SegmentKind::kHost) return false;
+    base = end;
+  }
+  return true;
+}
+
 struct Member {
   int64_t ctx_id = 0;
   int32_t ordinal = 0;       // FFI DeviceOrdinal: XLA:CPU global device id, XLA:GPU local CUDA ordinal
