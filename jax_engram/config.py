@@ -40,8 +40,8 @@ _MAX_HOST_THREADS = 256        # engram_layout.h kMaxHostThreads
 
 @dataclasses.dataclass(frozen=True)
 class EngramConfig:
-    """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated: the CPU gather
-    is synchronous and has no such choices).
+    """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated, except
+    ``host_threads``: the CPU backend's fetch always gathers on its host gather pool and waits for it).
 
     Attributes:
       fetch_gather: gather of an overlapped ``fetch`` (``overlap=True``, side stream). Default ``"tma"``: the

@@ -55,26 +55,23 @@ struct Allocation {
   std::shared_ptr<void> backend_state;   // handles, imported mappings: released by Backend::free_alloc
 };
 
-// True if [off, off + bytes) of the allocation lies in device (HBM) segments only.
-inline bool region_in_device_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+// True if [off, off + bytes) of the allocation lies in segments of `kind` only.
+inline bool region_in_segments(const Allocation& a, uint64_t off, uint64_t bytes, SegmentKind kind) {
   uint64_t base = 0;
   for (const SegmentSpec& seg : a.segments) {
     const uint64_t end = base + seg.bytes;
-    if (off < end && off + bytes > base && seg.kind != SegmentKind::kDevice) return false;
+    if (off < end && off + bytes > base && seg.kind != kind) return false;
     base = end;
   }
   return true;
 }
-
-// True if [off, off + bytes) of the allocation lies in host segments only (CPU-readable where a->cpu_readable).
+// ... in device (HBM) segments only.
+inline bool region_in_device_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+  return region_in_segments(a, off, bytes, SegmentKind::kDevice);
+}
+// ... in host segments only (CPU-readable where Allocation::cpu_readable).
 inline bool region_in_host_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
-  uint64_t base = 0;
-  for (const SegmentSpec& seg : a.segments) {
-    const uint64_t end = base + seg.bytes;
-    if (off < end && off + bytes > base && seg.kind != SegmentKind::kHost) return false;
-    base = end;
-  }
-  return true;
+  return region_in_segments(a, off, bytes, SegmentKind::kHost);
 }
 
 struct Member {
