@@ -113,7 +113,6 @@ Status map_all(const CudaDriver* d, Mapping& mp, size_t align, int device, const
     mp.mapped = i + 1;
     off += mp.sizes[i];
   }
-  cudaGetLastError();
   CUmemAccessDesc acc{};
   acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   acc.location.id = device;
