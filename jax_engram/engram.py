@@ -92,6 +92,7 @@ _INT32_MAX = 2**31 - 1
 _NO_BAD_POSITION = int(_LAYOUT["no_bad_position"])  # flat positions T*E must stay below it
 
 _uids = itertools.count()
+_slots = itertools.count(1)  # EngramPending.slot: one per traced fetch call (its wait waits for that fetch only)
 
 Placement = Literal["host", "device"]
 EngramMode = Literal["fill", "clip", "checked"]
@@ -131,7 +132,7 @@ def _check_choice(what: str, value, choices) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "sf", "status", "indices"],
-                   meta_fields=["has_sf", "overlap", "check_total"])
+                   meta_fields=["has_sf", "overlap", "check_total", "slot"])
 @dataclasses.dataclass(frozen=True)
 class EngramPending:
     """What ``EngramTable.fetch`` returns (a frozen pytree): the output buffers being filled and everything the
@@ -144,6 +145,7 @@ class EngramPending:
     has_sf: bool
     overlap: bool
     check_total: int = 0  # mode="checked" on a device backend: wait raises if an id is not in [0, check_total)
+    slot: int = 0  # the fetch call site (static): on GPU the wait waits for this fetch's work only
 
 
 def _raise_if_bad(status, indices, rank, *, total):
@@ -292,10 +294,17 @@ class EngramTable:
         """EngramWriteAttrs (less ctx_id)."""
         return dict(self._region_attrs(), sf_bytes=sf_bytes)
 
-    def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig) -> dict:
+    def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig, slot: int) -> dict:
         """EngramFetchAttrs (less ctx_id)."""
         return dict(self._region_attrs(), mode=mode, num_sf_packs=self.num_sf_packs, sf_layout=sf_layout,
-                    overlap=int(overlap), **config.ffi_attrs(overlap))
+                    overlap=int(overlap), **config.ffi_attrs(overlap),
+                    **config.host_attrs(self.host_path(overlap, config)), slot=slot)
+
+    def host_path(self, overlap: bool, config: EngramConfig | None = None) -> Literal["cpu", "gpu"]:
+        """Who moves this table's rows in a fetch with this ``overlap`` on a GPU: ``"cpu"`` (worker threads gather
+        into pinned staging, the copy engine moves it: no SMs) or ``"gpu"`` (the GPU gather); the rule of
+        ``EngramConfig.host_gather`` for this placement and shard size (``config``: the table's by default)."""
+        return (config or self.config).host_path(self.placement, self.nbytes, bool(overlap))
 
     def sf_shape(self, num_tokens: int, ids_per_token: int, sf_layout: SfLayout = "row") -> tuple[int, ...]:
         """Local shape of the sf output of a lookup of [num_tokens, ids_per_token] ids (``(0,)`` without scale
@@ -411,12 +420,13 @@ class EngramTable:
         results = (_call.like(indices, (T, E * self.hidden), self.dtype),
                    _call.like(indices, self.sf_shape(T, E, sf_layout), sf_dt),
                    _call.like(indices, (), jnp.int32))
+        slot = next(_slots) if overlap else 0  # lookups need none (and keep their HLO the same across traces)
         data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
-                                      **self._fetch_attrs(mode_i, layout_i, bool(overlap), cfg))
+                                      **self._fetch_attrs(mode_i, layout_i, bool(overlap), cfg, slot))
         # Device backends check on the device and leave the first bad flat position in `status` (CPU: the fetch
         # itself fails); wait turns it into an error of this call.
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
-        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total)
+        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total, slot)
 
     def wait(self, pending: EngramPending, *, after: Optional[jax.Array] = None
              ) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -437,10 +447,11 @@ class EngramTable:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
                pending.status if after is None else jax.lax.stop_gradient(jnp.asarray(after)))
-        # EngramWaitAttrs: ctx_id, overlap.
+        # EngramWaitAttrs: ctx_id, overlap, slot.
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
-                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
+                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap),
+                                        slot=_call.i64(pending.slot))
         if pending.check_total:
             _call.require_host_callbacks("EngramTable.wait (mode='checked')")
             # A host callback after the reads: it fails this call (the execution) with the bad id, once; the

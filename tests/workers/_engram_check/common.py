@@ -19,6 +19,9 @@ ap.add_argument("--list", action="store_true")
 ap.add_argument("--gather", default="default", choices=["default", "tma", "sm", "sm_few"],
                 help="EngramConfig of every table: default, or this gather for fetch and lookup alike")
 ap.add_argument("--num-sms", type=int, default=None, help="EngramConfig.num_sms of every table")
+ap.add_argument("--host-gather", default="auto", choices=["auto", "cpu", "gpu"],
+                help="EngramConfig.host_gather of every table (who moves host-placed rows on a GPU)")
+ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of every table")
 args = ap.parse_args()
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -45,6 +48,7 @@ ctx = je.init(mesh, AX, timeout_s=120.0)
 _cfg_kw = {} if args.gather == "default" else dict(fetch_gather=args.gather, lookup_gather=args.gather)
 if args.num_sms is not None:
     _cfg_kw["num_sms"] = args.num_sms
+_cfg_kw.update(host_gather=args.host_gather, host_threads=args.host_threads)
 CONFIG = je.EngramConfig(**_cfg_kw)
 _ref = jax.jit(reference.engram_lookup, static_argnames=("mode", "sf_layout"))
 
