@@ -20,8 +20,8 @@ Differences from the native path, all in what the contract leaves open: rows pas
 scales, weights) or -1 (indices, metadata), as on CPU; routing ids outside ``[-1, num_experts)`` count as
 masked and a duplicate expert in one token gives an unspecified layout, without an error (nothing is sent, so
 the context stays usable; ``validate_routing=True`` raises :class:`JaxEngramError` for both, as on every path).
-Output tokens are the input token passed through an ``optimization_barrier`` with the op's outputs, so anything
-ordered after the token runs after the op.
+Inputs and outputs pass an ``optimization_barrier``, as a kernel's would be an op boundary: the caller's arithmetic
+is not fused into the op, the results are materialized, and the output token (the input token) comes after them.
 """
 from __future__ import annotations
 
@@ -62,11 +62,12 @@ def _align(v, a: int):
     return (v + a - 1) // a * a
 
 
-def _after(outs, token):
-    """The token, ordered after every array of ``outs`` (an optimization barrier: whatever waits for the token
-    waits for the op's results, and XLA cannot drop the op while its token is used)."""
-    arrays = tuple(o for o in outs if o is not None)
-    return jax.lax.optimization_barrier((arrays, token))[1]
+def _fence(*trees):
+    """The arrays of ``trees`` behind one optimization barrier: every one is computed before any is used, and XLA
+    fuses nothing across it. On the inputs of an op, the caller's arithmetic is not fused into our gathers (where
+    XLA could contract a multiply-add the caller's own program rounds twice); on the outputs, the results are
+    materialized like a kernel's and the token comes after them (whatever waits for it waits for the op)."""
+    return jax.lax.optimization_barrier(trees)
 
 
 def _counts(cfg, valid, idx):
@@ -224,18 +225,20 @@ def _combine_dtype(dtype):
 # topk_idx) cached; outputs as ep._dispatch_p's.
 def _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
+    x, w, sf, routing, token = _fence(x, w, sf, routing, token)
     if cached:
         meta, psum_rank, _, _, dst_row, topk_idx = routing
         src_tok, src_entry = _replay(cfg, meta, psum_rank)
         recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
-        outs = (recv_x, recv_sf, recv_w)
-        return outs + (_after(outs, token),), (meta, dst_row, topk_idx)
+        outs = _fence(recv_x, recv_sf, recv_w, token)
+        return outs, (meta, dst_row, topk_idx)
     (topk_idx,) = routing
     handle, src_tok, src_entry = _routing(cfg, topk_idx)
     recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, gsz = handle
     recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
-    outs = (recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv, gsz)
-    return outs + (_after(outs, token),), (meta, dst_row, topk_idx)
+    outs = _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv, gsz,
+                  token)
+    return outs, (meta, dst_row, topk_idx)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -260,6 +263,7 @@ def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
     float8), d w = its routing of the recv_topk_weights cotangent, the token's cotangent passes through."""
     (meta, dst_row, topk_idx), x, w, routing, token = saved
     g_x, g_w, g_tok = (g[0], g[2], g[3]) if cached else (g[0], g[3], g[-1])
+    g_x, g_w, g_tok = _fence(g_x, g_w, g_tok)
     g_x = _zero_if_symbolic(g_x, (cfg.rows, x.shape[1]), x.dtype)
     y = g_x.astype(_combine_dtype(g_x.dtype))
     has_w = w.shape[1] != 0
@@ -267,8 +271,8 @@ def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
     gw = _zero_if_symbolic(g_w, wshape, jnp.float32) if has_w else jnp.zeros((0,), jnp.float32)
     dx, dw = _combine(cfg, y, gw, (), meta, dst_row, topk_idx)
     dx = None if np.dtype(x.dtype) == np.dtype(jnp.float8_e4m3fn) else dx.astype(x.dtype)
-    g_tok = _zero_if_symbolic(g_tok, (), token.dtype)
-    return dx, (dw if has_w else None), None, tuple(None for _ in routing), _after((dx, dw), g_tok)
+    dx, dw, g_tok = _fence(dx, dw, _zero_if_symbolic(g_tok, (), token.dtype))
+    return dx, (dw if has_w else None), None, tuple(None for _ in routing), g_tok
 
 
 dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -277,9 +281,10 @@ dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
 # ---------------------------------------------------------------------------------------------- combine vjp
 # The operands of ep._combine_p: harr = (meta, dst_row, topk_idx, psum_rank, psum_expert, unaligned, recv_topk).
 def _combine_impl(cfg, y, w, biases, harr, token):
+    y, w, biases, harr, token = _fence(y, w, tuple(biases), harr, token)
     meta, dst_row, topk_idx = harr[:3]
-    cx, cw = _combine(cfg, y, w, tuple(biases), meta, dst_row, topk_idx)
-    return cx, cw, _after((cx, cw), token)
+    cx, cw = _combine(cfg, y, w, biases, meta, dst_row, topk_idx)
+    return _fence(cx, cw, token)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -297,7 +302,7 @@ def _combine_bwd(cfg, saved, g):
     routing, d bias = the cotangent (cast to the bias dtype)."""
     y, w, biases, harr, token = saved
     meta, _, _, psum_rank, _, _, recv_topk = harr
-    g_x, g_w, g_tok = g
+    g_x, g_w, g_tok = _fence(*g)
     N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
     g_x = _zero_if_symbolic(g_x, (N, H), y.dtype)
     src_tok, src_entry = _replay(cfg, meta, psum_rank)
@@ -307,8 +312,8 @@ def _combine_bwd(cfg, saved, g):
     if has_w and not cfg.expand:
         dw = jnp.where(recv_topk >= 0, dw, 0.0)
     db = tuple(g_x.astype(b.dtype) for b in biases)
-    g_tok = _zero_if_symbolic(g_tok, (), token.dtype)
-    return dy, (dw if has_w else None), db, tuple(None for _ in harr), _after((dy, dw), g_tok)
+    dy, dw, db, g_tok = _fence(dy, dw, db, _zero_if_symbolic(g_tok, (), token.dtype))
+    return dy, (dw if has_w else None), db, tuple(None for _ in harr), g_tok
 
 
 combine_p.defvjp(_combine_fwd, _combine_bwd)

@@ -1,6 +1,6 @@
 """The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit.
 
-One CPU device, one context on the local path (the default at one rank) and one forced onto the native kernels
+One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one rank) and one forced onto the native kernels
 (``ctx._ep_local = False``). Each seeded random case (layout, alignment, zero padding, K, E, N, M, dtype, FP8 with
 float32 / int32 scales, -1 ids, weights or None, 0-2 biases) runs ONE jitted program per path: dispatch, a cached
 dispatch of new x / weights, combine of a random y, and the vjp of dispatch -> experts -> combine. Every output the
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_engram as je
 from jax_engram import reference as ref
 
+PLATFORM = os.environ.get("JAX_ENGRAM_EP_LOCAL_PLATFORM", "cpu")  # "cuda": the same cases on one GPU
 SEED = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_SEED", "0")) or int(np.random.SeedSequence().entropy % (1 << 31))
 CASES = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_CASES", "8"))
 AX = "ep"
@@ -27,7 +28,7 @@ AX = "ep"
 
 @pytest.fixture(scope="module")
 def contexts():
-    mesh = jax.make_mesh((1,), (AX,), devices=jax.devices("cpu")[:1])
+    mesh = jax.make_mesh((1,), (AX,), devices=jax.devices(PLATFORM)[:1])
     local = je.init(mesh, AX)
     native = je.init(mesh, AX)
     native._ep_local = False
@@ -50,10 +51,12 @@ def _draw(rng):
     M = int(rng.integers(1, 40))
     N = int(rng.integers(1, M + 1))
     return dict(expand=expand, A=int(rng.choice([1, 8])), zero_padding=expand and bool(rng.integers(2)), E=E, K=K,
-                N=N, M=M, H=int(rng.choice([4, 8, 24])), dtype=str(rng.choice(["bfloat16", "float32", "float16",
-                                                                                 "float8_e4m3fn"])),
+                N=N, M=M, H=int(rng.choice([16, 32, 48])),
+                dtype=str(rng.choice(["bfloat16", "float32", "float16", "float8_e4m3fn"] if PLATFORM == "cpu"
+                                     else ["bfloat16", "float8_e4m3fn"])),  # GPU kernels: bf16 combines
                 sf=str(rng.choice(["float32", "int32"])), P=int(rng.integers(1, 4)), weights=bool(rng.integers(4)),
-                masked=float(rng.choice([0.0, 0.2, 0.6])), biases=int(rng.integers(3)), y32=bool(rng.integers(4) == 0))
+                masked=float(rng.choice([0.0, 0.2, 0.6])), biases=int(rng.integers(3)),
+                y32=PLATFORM == "cpu" and bool(rng.integers(4) == 0))  # float32 y: the CPU kernels
 
 
 def _inputs(c, rng):
@@ -196,7 +199,7 @@ def test_one_rank_path_matches_native_and_reference(contexts):
 
 def test_one_rank_path_calls_nothing_native_and_takes_no_region(contexts):
     mesh, local, native = contexts
-    N, H, K, E = 16, 8, 4, 8
+    N, H, K, E = 16, 16, 4, 8
 
     def program(ctx):
         def body(x, idx, w):
