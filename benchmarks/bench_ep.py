@@ -112,7 +112,7 @@ def _args(argv=None):
 ARGS = _args()
 # The one-rank section: (tokens, hidden, top-k, experts) per shape; --smoke: tiny ones.
 ONE_RANK_SHAPES = ((4096, 2048, 4, 8), (128, 7168, 8, 256), (1024, 4096, 8, 64), (4096, 7168, 8, 256))
-ONE_RANK_SMOKE = ((64, 256, 4, 8), (16, 256, 8, 32))
+ONE_RANK_SMOKE = ((32, 256, 4, 16),)
 if ARGS.smoke:
     ARGS.tokens, ARGS.hidden, ARGS.topk, ARGS.experts, ARGS.scales = "64,16", 256, 4, 16, 2
     ARGS.loop, ARGS.iters, ARGS.warmup, ARGS.baseline_iters = 3, 2, 1, 1
