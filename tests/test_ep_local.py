@@ -22,7 +22,7 @@ from jax_engram import reference as ref
 
 PLATFORM = os.environ.get("JAX_ENGRAM_EP_LOCAL_PLATFORM", "cpu")  # "cuda": the same cases on one GPU
 SEED = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_SEED", "0")) or int(np.random.SeedSequence().entropy % (1 << 31))
-CASES = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_CASES", "8"))
+CASES = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_CASES", "6"))
 AX = "ep"
 
 
