@@ -1,10 +1,12 @@
 """The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit.
 
-One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one rank) and one forced onto the native kernels
-(``ctx._ep_local = False``). Each seeded random case (layout, alignment, zero padding, K, E, N, M, dtype, FP8 with
-float32 / int32 scales, -1 ids, weights or None, 0-2 biases) runs ONE jitted program per path: dispatch, a cached
-dispatch of new x / weights, combine of a random y, and the vjp of dispatch -> experts -> combine. Every output the
-contract defines is compared between the paths and with the reference.
+One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one
+rank) and one forced onto the native kernels (``ctx._ep_local = False``). Each seeded random case (layout,
+alignment, zero padding, K, E, N, M, dtype, FP8 with float32 / int32 scales, -1 ids, weights or None, 0-2 biases)
+runs ONE jitted program per path: dispatch, a cached dispatch of new x / weights, combine of a random y, and the vjp
+of dispatch -> experts -> combine. Every output the contract defines is compared between the paths and with the
+reference. The seed is fresh every run and printed (JAX_ENGRAM_EP_LOCAL_SEED replays it; JAX_ENGRAM_EP_LOCAL_CASES
+sets the number of cases).
 """
 from __future__ import annotations
 
