@@ -200,7 +200,7 @@ def two_pending_fetches_own_slots(ctx):
         assert pa.slot != pb.slot and pa.slot > 0 and pb.slot > 0, (pa.slot, pb.slot)
         da, _ = a.wait(pa)
         y = jnp.tanh(da.astype(jnp.float32) @ jnp.ones((da.shape[1], 8), jnp.float32))
-        db, _ = b.wait(pb, token=y)
+        db, _ = b.wait(pb, after=y)
         return da, db, y
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P(AX, None)),
