@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-__all__ = ["engram_table", "ep_table", "plot_engram", "plot_ep", "render_table"]
+__all__ = ["engram_table", "ep_table", "model_table", "plot_engram", "plot_ep", "plot_model", "render_table"]
 
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -240,3 +240,98 @@ def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+# ------------------------------------------------------------------------------------------- model step
+def model_rows(res: dict) -> list[dict]:
+    """One row per (table size, variant): ms and overhead % against ``resident`` and ``none`` per (T, mode)."""
+    by: dict[tuple, dict] = {}
+    for r in res.get("steps", []):
+        key = (r.get("table_gib"), r["variant"])
+        d = by.setdefault(key, dict(table_gib=r.get("table_gib"), variant=r["variant"]))
+        col = f"T{r['T']} {r['mode']}"
+        if "ms" in r:
+            d[f"{col} ms"] = r["ms"]
+            d[f"{col} vs res"] = r.get("vs_resident_pct")
+            d[f"{col} vs none"] = r.get("vs_none_pct")
+        else:
+            d[f"{col} ms"] = None
+            d["skipped"] = "skipped" if r.get("skipped") else "error"
+    for d in by.values():
+        d.setdefault("skipped", "")
+    order = {}
+    for i, r in enumerate(res.get("steps", [])):
+        order.setdefault(r["variant"], i)
+    return [by[k] for k in sorted(by, key=lambda k: (k[0] or 0, order.get(k[1], 0)))]
+
+
+def model_table(res: dict) -> str:
+    """The model benchmark's table (benchmarks/bench_model.py): variant x (T, fwd/train), ms and overhead %."""
+    env, cfg = res.get("env", {}), res.get("config", {})
+    cols_seen = []
+    for r in res.get("steps", []):
+        c = f"T{r['T']} {r['mode']}"
+        if c not in cols_seen:
+            cols_seen.append(c)
+    cols = [("table_gib", "table GiB", ".3g"), ("variant", "variant", None)]
+    for c in cols_seen:
+        cols += [(f"{c} ms", f"{c} ms", ".2f"), (f"{c} vs res", "vs resident %", "+.1f"),
+                 (f"{c} vs none", "vs none %", "+.1f")]
+    cols.append(("skipped", "", None))
+    tinfo = res.get("tables") or [{}]
+    title = (f"Engram in a model step: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
+             f"jax {env.get('jax')}; {cfg.get('layers')} layers, hidden {cfg.get('hidden')}, Engram at "
+             f"{cfg.get('engram_layers')}, E={cfg.get('E')}, {cfg.get('row_dtype')} rows of {cfg.get('row_bytes')} B, "
+             f"{len(cfg.get('engram_layers') or [])} host tables of {tinfo[0].get('rows_per_table')} rows")
+    out = [render_table(model_rows(res), cols, title)]
+    fetch = [dict(r, note=r.get("skipped") or r.get("error") or "") for r in res.get("fetch", [])]
+    if fetch:
+        h2d = (res.get("ceilings") or {}).get("h2d_gbps")
+        out.append("")
+        out.append(render_table(fetch, [("table_gib", "table GiB", ".3g"), ("T", "T", None), ("path", "fetch alone", None),
+                                        ("bytes", "bytes", None), ("ms", "ms", ".3f"), ("gbps", "GB/s", ".1f"),
+                                        ("pct_link", "% link", ".0f"), ("note", "", None)],
+                                f"Fetch alone (every Engram layer's rows, scale packs included); link (pinned host "
+                                f"-> device, same run): {'n/a' if not h2d else f'{h2d:.1f} GB/s'}"))
+    out += [f"note: {n}" for n in res.get("notes", [])]
+    return "\n".join(out)
+
+
+def plot_model(res: dict, out_dir: str, prefix: str = "model") -> list[str]:
+    """One PNG: overhead % against ``resident`` vs table size per (variant, T, mode), and each path's fetch GB/s vs
+    table size with the same run's link ceiling (none on CPU). Returns the paths."""
+    plt = _pyplot()
+    steps = [r for r in res.get("steps", []) if r.get("vs_resident_pct") is not None and r["variant"] != "resident"]
+    if not steps:
+        return []
+    env, cfg = res.get("env", {}), res.get("config", {})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    keys = sorted({(r["variant"], r["T"], r["mode"]) for r in steps}, key=str)
+    for v, T, mode in keys:
+        pts = sorted((r["table_gib"], r["vs_resident_pct"]) for r in steps
+                     if (r["variant"], r["T"], r["mode"]) == (v, T, mode))
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if mode == "train" else "--",
+                label=f"{v} T={T} {mode}")
+    a1.axhline(1.0, color="black", linestyle=":", linewidth=1, label="goal: +1 %")
+    a1.set_xscale("log", base=2)
+    a1.set_xlabel("host rows in all (GiB)")
+    a1.set_ylabel("step time vs Engram math on resident rows (%)")
+    a1.grid(True, which="both", alpha=0.3)
+    a1.legend(fontsize=6, ncol=2)
+    series = []
+    fetch = [r for r in res.get("fetch", []) if r.get("gbps")]
+    for path, T in sorted({(r["path"], r["T"]) for r in fetch}, key=str):
+        series.append((f"{path} T={T}", [(r["table_gib"], r["gbps"]) for r in fetch
+                                         if (r["path"], r["T"]) == (path, T)],
+                       _ours() if path != "take_hbm" else _base()))
+    h2d = (res.get("ceilings") or {}).get("h2d_gbps")
+    gpu = env.get("backend") not in (None, "cpu")
+    _panel(a2, series, (h2d, "pinned host -> device copy") if gpu and h2d else None, "fetch GB/s",
+           "host rows in all (GiB)")
+    fig.suptitle(f"Engram in a model step: {env.get('device_kind')} ({env.get('backend')}), {cfg.get('layers')} layers, "
+                 f"hidden {cfg.get('hidden')}, {cfg.get('row_dtype')} rows", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{prefix}_step.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
