@@ -206,33 +206,16 @@ def init_params():
 
 
 # ----------------------------------------------------------------------------------------------- the tables
-def _mix(a):
-    a = a ^ (a >> 16)
-    a = a * jnp.uint32(0x7FEB352D)
-    a = a ^ (a >> 15)
-    a = a * jnp.uint32(0x846CA68B)
-    return a ^ (a >> 16)
-
-
 def _fill_fn(rows_global: int, seed: int):
-    """A jitted maker of [rows_global, values] random finite rows of the row dtype (one elementwise kernel: 32-bit
-    words hashed from (row, column), exponents masked so that no value is inf/NaN) and, for FP8, scale packs."""
-    words = FMT["values"] * RDT.itemsize // 4
+    """A jitted maker of [rows_global, values] random finite rows of the row dtype (_common.hashed_rows_fn: one
+    elementwise kernel, no temporary of the table's size) and, for FP8, its [rows_global, packs] scale packs."""
     sh = NamedSharding(mesh, P(AX, None))
-
-    def make():
-        r = jax.lax.broadcasted_iota(jnp.uint32, (rows_global, words), 0)
-        c = jax.lax.broadcasted_iota(jnp.uint32, (rows_global, words), 1)
-        w = _mix(r * jnp.uint32(words) + c + _mix(jnp.uint32(seed) + c))
-        w = w & jnp.uint32(0xBFBFBFBF if RDT.itemsize == 1 else 0xBFFFBFFF)  # fp8 exp < 15 / bf16 exp < 128
-        x = jax.lax.bitcast_convert_type(w, jnp.uint8 if RDT.itemsize == 1 else jnp.uint16)
-        x = jax.lax.bitcast_convert_type(x.reshape(rows_global, FMT["values"]), jnp.dtype(RDT))
-        if not FMT["sf_packs"]:
-            return x, None
-        rr = jax.lax.broadcasted_iota(jnp.uint32, (rows_global, FMT["sf_packs"]), 0)
-        s = (_mix(rr + jnp.uint32(seed * 7919)) >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) * 2 ** -6
-        return x, s
-    return jax.jit(make, out_shardings=(sh, NamedSharding(mesh, P()) if FMT["sf_packs"] else None))
+    x_fn = C.hashed_rows_fn(rows_global, FMT["values"], RDT, seed, sh)
+    if not FMT["sf_packs"]:
+        return lambda: (x_fn(), None)
+    s_fn = jax.jit(lambda: jnp.abs(C.hashed_rows_fn(rows_global, FMT["sf_packs"], np.float32, seed + 1, None)())
+                   * 2.0 ** -70 + 2.0 ** -6, out_shardings=NamedSharding(mesh, P()))
+    return lambda: (x_fn(), s_fn())
 
 
 def meminfo_gib(key="MemAvailable"):

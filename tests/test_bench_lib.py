@@ -381,3 +381,29 @@ def test_bench_model_smoke(tmp_path):
     assert res["tables"][0]["rows_per_table"] > 0 and res["config"]["row_bytes"] == 264
     if (out / "model_step.png").exists():  # matplotlib installed
         assert (out / "model_step.png").stat().st_size > 0
+
+
+def test_bench_engram_sizes_and_procs_smoke(tmp_path):
+    """``bench_engram.py --sizes --procs`` at smoke sizes on one CPU device: every size has each runnable host
+    path's rate (finite, with its share of the path's best), the host-memory baseline, the CPU-gather ceiling row
+    (measured or a stated skip), and every process count of the multi-process gather (plumbing only)."""
+    out = tmp_path / "sizes.json"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_engram.py"), "--tiny", "--sizes", "--procs", "1,2",
+                        "--out", str(out)], cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    import math
+    sizes = sorted({r["size_gib"] for r in res["sizes"]})
+    assert len(sizes) == 2
+    for s in sizes:
+        at = {r["impl"]: r for r in res["sizes"] if r["size_gib"] == s}
+        r = at["engram lookup (gpu)"]
+        assert math.isfinite(r["gbps"]) and r["gbps"] > 0 and 0 < r["pct_own_best"] <= 100 and r["verified"], r
+        assert at["jnp.take on pinned_host (compute_on)"].get("gbps"), at
+        c = at["ceiling: CPU gather alone"]
+        assert c.get("gbps") or c["detail"].get("skipped"), c
+    assert max(r["pct_own_best"] for r in res["sizes"] if r.get("pct_own_best")) == 100
+    assert [r["processes"] for r in res["procs"]] == [1, 2]
+    assert all(r.get("total_gbps") or r.get("skipped") for r in res["procs"]), res["procs"]
+    assert "summary (issue 27 goal 2" in p.stdout

@@ -55,7 +55,7 @@ def engram_rows(res: dict) -> list[dict]:
         if r["impl"] == "engram fetch+wait":
             d.update(us=r["us"], gbps=r.get("remote_gbps"), pct_ceil=r.get("pct_ceil"), speedup=r.get("speedup"),
                      verified=r.get("verified"))
-        elif r["impl"] in ("gspmd take", "all_to_all lookup"):
+        elif r["impl"] in ("gspmd take", "all_to_all lookup", "pinned_host take"):
             d[r["impl"]] = us
     return [by_key[k] for k in sorted(by_key, key=lambda k: (str(k[0]), k[1] or 0, k[2] or 0))]
 
@@ -64,11 +64,19 @@ def engram_table(res: dict) -> str:
     env = res.get("env", {})
     cols = [("placement", "placement", None), ("hidden", "hidden", None), ("T", "T", None),
             ("KiB", "KiB/rank", ".1f"), ("us", "engram us", ".2f"), ("gspmd take", "gspmd take us", ".1f"),
-            ("all_to_all lookup", "all_to_all us", ".1f"), ("gbps", "remote GB/s", ".1f"),
+            ("all_to_all lookup", "all_to_all us", ".1f"), ("pinned_host take", "pinned_host take us", ".1f"),
+            ("gbps", "remote GB/s", ".1f"),
             ("pct_ceil", "% ceiling", ".1f"), ("speedup", "speedup", ".1f"), ("verified", "verified", None)]
     title = (f"Engram lookup: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
              f"E={res.get('args', {}).get('E')}, jax {env.get('jax')}")
-    return render_table(engram_rows(res), cols, title)
+    out = [render_table(engram_rows(res), cols, title)] if res.get("rows") else []
+    if res.get("sizes"):
+        out.append(render_table(res["sizes"], [("impl", "impl", None), ("size_gib", "table GiB", ".3g"),
+                                               ("us", "us", ".1f"), ("gbps", "GB/s", ".1f"),
+                                               ("pct_own_best", "% own best", ".0f"), ("pct_link", "% link", ".0f")],
+                                f"Engram host fetch by host table size per rank ({env.get('device_kind')}, "
+                                f"{env.get('backend')})"))
+    return "\n\n".join(out)
 
 
 def ep_rows(res: dict) -> list[dict]:
@@ -143,31 +151,44 @@ def _base(**kw) -> dict:
 
 
 def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
-    """One PNG per placement: latency and link bandwidth vs KiB per rank, at the hidden size of the T sweep
-    (the most common hidden in the run); our lookup, the baselines, and the same-run ceiling. Returns paths."""
+    """One PNG per placement: latency and bandwidth vs KiB per rank, at the hidden size of the T sweep (the most
+    common hidden in the run); our lookup, the baselines of that placement (device: takes from HBM; host: the
+    host-memory take) and the same-run ceiling (none on CPU). At one rank a device table's rows are all local: its
+    bandwidth panel shows local GB/s against the HBM copy ceiling. A --sizes run adds ``<prefix>_sizes.png``: GB/s
+    per host path against host table size with the CPU-only gather and the link. Returns the paths."""
     plt = _pyplot()
     rows = [r for r in res.get("rows", []) if "us" in r]
+    paths = _plot_engram_sizes(res, out_dir, prefix, plt) if res.get("sizes") else []
     if not rows:
-        return []
+        return paths
     hiddens = [r["hidden"] for r in rows]
     h0 = max(set(hiddens), key=hiddens.count)
     ranks = res.get("ranks") or 1
     env = res.get("env", {})
+    gpu = env.get("backend") not in (None, "cpu")
     ceil = res.get("ceilings", {})
-    paths = []
     for placement in sorted({r["placement"] for r in rows}):
         sel = [r for r in rows if r["placement"] == placement and r["hidden"] == h0]
-        remote = (ranks - 1) / ranks if placement == "device" else 1.0
-        if placement == "device":
+        local = placement == "device" and ranks == 1
+        remote = 1.0 if local else ((ranks - 1) / ranks if placement == "device" else 1.0)
+        if local:
+            cg = ((ceil.get("local_hbm") or {}).get("copy") or {}).get("gbps"), "HBM copy (bytes counted once)"
+            bw_label = "GB/s read from local HBM"
+        elif placement == "device":
             p = ceil.get("p2p", {})
             cg = (p.get("bidir") or {}).get("per_direction_gbps"), "P2P copy per direction, both ways busy"
+            bw_label = "GB/s over the link (remote rows)"
         else:
             h = ceil.get("host_to_device", {})
             cg = (h.get("h2d") or {}).get("gbps"), "pinned host -> device copy"
+            bw_label = "GB/s over the link (host rows)"
+        if not gpu:
+            cg = None  # a CPU run has no GPU ceilings
+        impls = ((("gspmd take", "tab:orange"), ("all_to_all lookup", "tab:green")) if placement == "device"
+                 else (("pinned_host take", "tab:orange"),))
         lat, bw = [], []
-        for impl, style in (("engram fetch+wait", _ours(color="tab:blue")),
-                            ("gspmd take", _base(color="tab:orange")),
-                            ("all_to_all lookup", _base(color="tab:green"))):
+        for impl, style in (("engram fetch+wait", _ours(color="tab:blue")),) + tuple(
+                (i, _base(color=c)) for i, c in impls):
             pts = [(r["bytes"] / 1024.0, r["us"] if r.get("us_call") is None or impl.startswith("engram")
                     else min(r["us"], r["us_call"])) for r in sel if r["impl"] == impl]
             label = "jax_engram lookup" if impl.startswith("engram") else f"JAX {impl}"
@@ -177,7 +198,7 @@ def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
         xl = f"KiB looked up per rank (hidden {h0}, E={res.get('args', {}).get('E')}, T varies)"
         _panel(a1, lat, None, "µs per lookup", xl)
-        _panel(a2, bw, cg, "GB/s over the link (remote rows)", xl)
+        _panel(a2, bw, cg if cg and cg[0] else None, bw_label, xl)
         fig.suptitle(f"Engram lookup, placement={placement}: {ranks} ranks, {env.get('device_kind')} "
                      f"({env.get('backend')}), jax {env.get('jax')}", fontsize=10)
         fig.tight_layout()
@@ -186,6 +207,34 @@ def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _plot_engram_sizes(res: dict, out_dir: str, prefix: str, plt) -> list[str]:
+    rows = [r for r in res["sizes"] if r.get("gbps")]
+    if not rows:
+        return []
+    env = res.get("env", {})
+    gpu = env.get("backend") not in (None, "cpu")
+    series = []
+    colors = iter(("tab:blue", "tab:purple", "tab:orange", "tab:green", "tab:red", "tab:gray"))
+    for impl in sorted({r["impl"] for r in rows}):
+        style = (_ours if impl.startswith("engram") else _base)(color=next(colors, "black"))
+        series.append((impl, [(r["size_gib"], r["gbps"]) for r in rows if r["impl"] == impl], style))
+    link = ((res.get("ceilings") or {}).get("host_to_device") or {}).get("h2d", {}).get("gbps")
+    fig, ax = plt.subplots(1, 1, figsize=(7.5, 4.8))
+    _panel(ax, series, (link, "pinned host -> device copy") if gpu and link else None, "GB/s of rows fetched",
+           f"host table GiB per rank ({rows[0]['bytes'] / 2**20:.1f} MiB of {rows[0]['row_bytes']}-B rows per fetch)")
+    hm = (res.get("ceilings") or {}).get("host_memory") or {}
+    if hm.get("memcpy_gbps"):
+        ax.axhline(hm["memcpy_gbps"], color="gray", linestyle="-.", linewidth=1,
+                   label=f"host memcpy ({hm.get('threads')} threads)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Engram host fetch by table size: {env.get('device_kind')} ({env.get('backend')})", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{prefix}_sizes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
