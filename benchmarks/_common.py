@@ -424,7 +424,7 @@ def hashed_rows_fn(rows: int, values: int, dtype, seed: int, sharding) -> Callab
     def make():
         r = lax.broadcasted_iota(jnp.uint32, (rows, words), 0)
         c = lax.broadcasted_iota(jnp.uint32, (rows, words), 1)
-        w = _mix32(r * jnp.uint32(words) + c + _mix32(jnp.uint32(seed) + c)) & jnp.uint32(mask)
+        w = _mix32(_mix32(r ^ jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) + c) & jnp.uint32(mask)
         x = lax.bitcast_convert_type(w, narrow) if dt.itemsize < 4 else w
         return lax.bitcast_convert_type(x.reshape(rows, values), dt)
     return jax.jit(make, out_shardings=sharding)
