@@ -385,6 +385,16 @@ def _clean(o):
     return o
 
 
+def close_quietly(ctx, shutdown: Callable[[], None]) -> None:
+    """End of a benchmark script: close its jax_engram context (an error there must not hide the benchmark's own
+    error or result), then ``shutdown`` (jax_engram.launch.shutdown)."""
+    try:
+        ctx.close()
+    except Exception:  # noqa: BLE001
+        pass
+    shutdown()
+
+
 def write_json(path: str, obj: Any) -> str:
     """Write ``obj`` as strict, indented JSON (numpy/jax values converted, NaN -> null)."""
     d = os.path.dirname(os.path.abspath(path))

@@ -697,17 +697,8 @@ def run_overlap():
     def fetch_alone(tab, cfg, ids_sets, overlap=True):
         k = len(ids_sets)
         n = max(2, loop_n(int(np.prod(ids_sets[0].shape)) // R * rb) // k)
-
-        def body(*c):
-            *ids, tok = c
-            for i in ids:
-                pend = tab.fetch(i, tok, overlap=overlap, config=cfg)
-                tab.wait(pend)
-                tok = pend.status.reshape(1)
-            return (*ids, tok)
-
         specs = (P(AX, None),) * k + (P(AX),)
-        us, det = time_steps(body, (*ids_sets, zero_tok()), n, specs)
+        us, det = time_steps(fetch_wait_body(tab, cfg, overlap), (*ids_sets, zero_tok()), n, specs)
         return (us / k if us is not None else None), det
 
     # --- size the fetch to take as long as the GEMM X alone
@@ -895,19 +886,22 @@ def host_path_configs(notes):
     return out
 
 
-def _lookup_us(table, cfg, id_sets):
-    """Per-lookup time of table.lookup(ids, config=cfg) in a slope-timed loop over the id sets; (us, detail)."""
-    k = len(id_sets)
-
+def fetch_wait_body(tab, cfg, overlap):
+    """A loop step (shard_map body of (*ids, tok)): fetch + wait of each id set in turn, chained by the status."""
     def body(*c):
         *ids, tok = c
         for i in ids:
-            pend = table.fetch(i, tok, overlap=False, config=cfg)
-            table.wait(pend)
+            pend = tab.fetch(i, tok, overlap=overlap, config=cfg)
+            tab.wait(pend)
             tok = pend.status.reshape(1)
         return (*ids, tok)
+    return body
 
-    us, det = time_steps(body, (*id_sets, zero_tok()), 2, (P(AX, None),) * k + (P(AX),))
+
+def _lookup_us(table, cfg, id_sets):
+    """Per-lookup time of table.lookup(ids, config=cfg) in a slope-timed loop over the id sets; (us, detail)."""
+    k = len(id_sets)
+    us, det = time_steps(fetch_wait_body(table, cfg, False), (*id_sets, zero_tok()), 2, (P(AX, None),) * k + (P(AX),))
     return (us / k if us is not None else None), det
 
 
@@ -1121,8 +1115,4 @@ if __name__ == "__main__":
         else:
             main()
     finally:
-        try:
-            ctx.close()
-        except Exception:  # noqa: BLE001
-            pass
-        shutdown()
+        C.close_quietly(ctx, shutdown)

@@ -452,8 +452,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        try:
-            ctx.close()
-        except Exception:  # noqa: BLE001
-            pass
-        shutdown()
+        C.close_quietly(ctx, shutdown)

@@ -142,6 +142,14 @@ def _panel(ax, series: list[tuple[str, list[tuple[float, float | None]], dict]],
     ax.legend(fontsize=7)
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ours(**kw) -> dict:
     return dict(marker="o", linewidth=2, **kw)
 
@@ -201,11 +209,7 @@ def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
         _panel(a2, bw, cg if cg and cg[0] else None, bw_label, xl)
         fig.suptitle(f"Engram lookup, placement={placement}: {ranks} ranks, {env.get('device_kind')} "
                      f"({env.get('backend')}), jax {env.get('jax')}", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{prefix}_{placement}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{prefix}_{placement}.png"))
     return paths
 
 
@@ -230,11 +234,7 @@ def _plot_engram_sizes(res: dict, out_dir: str, prefix: str, plt) -> list[str]:
                    label=f"host memcpy ({hm.get('threads')} threads)")
         ax.legend(fontsize=7)
     fig.suptitle(f"Engram host fetch by table size: {env.get('device_kind')} ({env.get('backend')})", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{prefix}_sizes.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir, f"{prefix}_sizes.png")]
 
 
 def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
@@ -283,11 +283,7 @@ def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
         _panel(a2, bw, (c1, "P2P copy, one way") if c1 else None, "GB/s received from other ranks", xl)
         fig.suptitle(f"EP {op}: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
                      f"jax {env.get('jax')}", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{prefix}_{op}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{prefix}_{op}.png"))
     return paths
 
 
@@ -379,8 +375,4 @@ def plot_model(res: dict, out_dir: str, prefix: str = "model") -> list[str]:
            "host rows in all (GiB)")
     fig.suptitle(f"Engram in a model step: {env.get('device_kind')} ({env.get('backend')}), {cfg.get('layers')} layers, "
                  f"hidden {cfg.get('hidden')}, {cfg.get('row_dtype')} rows", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{prefix}_step.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir, f"{prefix}_step.png")]
