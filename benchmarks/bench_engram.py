@@ -980,8 +980,8 @@ def run_sizes():
         for r in mine:
             r["pct_own_best"] = 100 * r["gbps"] / best
     summary = summarize_sizes(rows, paths, link, ceil)
-    return dict(env=info, args=vars(args), ranks=R, processes=jax.process_count(), ceilings=_strip(ceil),
-                sizes=rows, notes=notes, summary=summary)
+    return dict(env=info, args=dict(vars(args), out=os.path.basename(args.out) if args.out else None), ranks=R,
+                processes=jax.process_count(), ceilings=_strip(ceil), sizes=rows, notes=notes, summary=summary)
 
 
 def summarize_sizes(rows, paths, link, ceil):
