@@ -282,7 +282,7 @@ def time_ours(table, id_sets, nbytes):
                 for i in ids:
                     pend = table.fetch(i, tok, overlap=True)
                     y = x_work(y + 0 * pend.status.astype(y.dtype), m)  # X starts after the fetch is issued
-                    table.wait(pend, token=y)  # and the wait comes after X
+                    table.wait(pend, after=y)  # and the wait comes after X
                     tok = pend.status.reshape(1)
                 return (*ids, y, tok)
 
@@ -762,7 +762,7 @@ def run_overlap():
             def body_fxw(i, tok, y, *w, X=X, cfg=cfg):
                 pend = table.fetch(i, tok, overlap=True, config=cfg)
                 y = X(_after(y, pend.status), *w)  # X is issued after the fetch
-                table.wait(pend, token=y)          # and the wait after X
+                table.wait(pend, after=y)          # and the wait after X
                 return (i, pend.status.reshape(1), y, *w)
 
             us, det = time_steps(body_fxw, (ids, zero_tok(), *ws), 3, (P(AX, None), P(AX)) + wspecs, copts=copts)

@@ -5,11 +5,11 @@ from jax_engram.context import Context, JaxEngramError, Region, init, live_conte
 from jax_engram.ops import barrier, ring_exchange
 from jax_engram.ep import CombineResult, DispatchResult, EPHandle, combine, dispatch
 from jax_engram.engram import ENGRAM_DTYPES, ENGRAM_MODES, SF_LAYOUTS, EngramPending, EngramTable
-from jax_engram.layers import EngramHashing, engram_layer, moe_layer
+from jax_engram.layers import EngramHashing, engram_layer, engram_prefetch, moe_layer
 
 __version__ = "0.1.0"
 
 __all__ = ["Context", "JaxEngramError", "Region", "init", "live_contexts", "barrier", "ring_exchange",
            "EngramTable", "EngramPending", "EngramConfig", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS",
            "dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "EPConfig",
-           "moe_layer", "engram_layer", "EngramHashing", "__version__"]
+           "moe_layer", "engram_layer", "engram_prefetch", "EngramHashing", "__version__"]

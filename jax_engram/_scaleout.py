@@ -267,7 +267,9 @@ def _engram_table_class():
             data, sf, status = _engram_fetch(self, indices, token, mode, sf_layout, config)
             return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), False)
 
-        def wait(self, pending: EngramPending, token=None):
+        def wait(self, pending: EngramPending, *, after=None):
+            """As the flat wait; the rows are ready when ``fetch`` returns on this path, so ``after`` (ordering
+            only) has nothing to order here."""
             from jax_engram import _call
 
             _call.check_axis(self.ctx, "EngramTable.wait")

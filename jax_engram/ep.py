@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call, _ffi
+from jax_engram import _call, _ep_local, _ffi
 from jax_engram.config import EPConfig, ep_config as _ep_config
 from jax_engram.context import Context, JaxEngramError
 
@@ -671,6 +671,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         if topk_weights.dtype != jnp.float32:
             raise TypeError(f"jax_engram.dispatch: topk_weights must be float32, got {topk_weights.dtype}")
 
+    dispatch_p = _ep_local.dispatch_p if _ep_local.applies(ctx) else _dispatch_p  # one rank: jax_engram/_ep_local.py
     x = _varying(x, ctx)
     w = _varying(topk_weights, ctx) if topk_weights is not None else _empty((N, 0), jnp.float32, ctx)
     sf = _varying(x_scales, ctx) if x_scales is not None else _empty((N, 0), jnp.float32, ctx)
@@ -683,7 +684,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         if validate_routing:
             tok = tok + _routing_errors(_varying(topk_idx, ctx), E, ctx)
         topk_idx = _varying(topk_idx.astype(jnp.int32), ctx)
-        outs = _dispatch_p(cfg, zero_padding, False, x, w, sf, (topk_idx,), tok)
+        outs = dispatch_p(cfg, zero_padding, False, x, w, sf, (topk_idx,), tok)
         recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, gsz, t = outs
         h = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                      num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
@@ -695,7 +696,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
     h = handle
     routing = (h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
                h.num_unaligned_recv_tokens_per_expert, h.dst_row, h.topk_idx)
-    recv_x, recv_sf, recv_w, t = _dispatch_p(cfg, zero_padding, True, x, w, sf, routing, tok)
+    recv_x, recv_sf, recv_w, t = dispatch_p(cfg, zero_padding, True, x, w, sf, routing, tok)
     h = h.replace(token=t, config=cfg)
     return DispatchResult(recv_x, recv_sf if x_scales is not None else None, h.recv_topk_idx,
                           recv_w if topk_weights is not None else None, h.num_recv_tokens, h.group_sizes, h, t)
@@ -784,7 +785,8 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
     y = _varying(y, ctx)
     tok = _vary_like(_ffi_token(h.token if token is None else token, ctx), y)
     w = _vary_like(w, y)
-    cx, cw, t = _combine_p(cfg, y, w, tuple(_vary_like(b, y) for b in checked), harr, tok)
+    combine_p = _ep_local.combine_p if _ep_local.applies(ctx) else _combine_p  # one rank: jax_engram/_ep_local.py
+    cx, cw, t = combine_p(cfg, y, w, tuple(_vary_like(b, y) for b in checked), harr, tok)
     res = CombineResult(cx, cw if topk_weights is not None else None, t)
     if return_token:
         return (res.combined_x, res.combined_topk_weights, res.token)  # type: ignore[return-value]

@@ -407,3 +407,21 @@ def test_bench_engram_sizes_and_procs_smoke(tmp_path):
     assert [r["processes"] for r in res["procs"]] == [1, 2]
     assert all(r.get("total_gbps") or r.get("skipped") for r in res["procs"]), res["procs"]
     assert "summary (issue 27 goal 2" in p.stdout
+
+
+def test_bench_ep_one_rank_cpu_run(tmp_path):
+    """bench_ep.py --one-rank --smoke on one CPU device: every variant timed (ours both layouts, the native kernels
+    forced, the plain-JAX permute), the HBM floor and the ratios recorded, ours == native bit for bit."""
+    out = tmp_path / "ep1.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, os.path.join(BENCH, "bench_ep.py"), "--one-rank", "--smoke", "--loop", "2", "--iters", "1",
+           "--out", str(out)]
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    variants = {r["variant"] for r in res["one_rank"]}
+    assert variants == {"ours expand", "ours non-expand", "native expand", "native non-expand", "plain-JAX permute"}
+    assert res["copy_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])
+    assert res["checks"] and all(v for c in res["checks"].values() for v in c.values()), res["checks"]
+    assert "ours == native in every shape" in p.stdout
