@@ -460,8 +460,11 @@ class CudaBackend final : public Backend {
     al.align = align;
     Status s = map_all(d, mp, align, st.device, "own memory", a.segments, st.host_numa_id);
     if (!s.empty()) return s;
-    // Zero-fill on our side stream (does not wait for XLA's work on the device).
-    cudaError_t e = cudaMemsetAsync(reinterpret_cast<void*>(mp.va), 0, mp.bytes, st.side_stream);
+    // Zero-fill on our side stream (does not wait for XLA's work on the device), one segment at a time: a
+    // memset across a device and a host segment fails once the host segments also grant the CPU access.
+    cudaError_t e = cudaSuccess;
+    for (size_t i = 0, off = 0; i < mp.sizes.size() && e == cudaSuccess; off += mp.sizes[i++])
+      e = cudaMemsetAsync(reinterpret_cast<void*>(mp.va + off), 0, mp.sizes[i], st.side_stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(st.side_stream);
     if (e != cudaSuccess) return "zero-filling the allocation failed: " + cuda_error_string(e);
     for (size_t i = 0; i < mp.handles.size(); ++i) {
