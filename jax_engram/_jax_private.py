@@ -46,3 +46,13 @@ def in_eager_shard_map() -> bool:
     except ImportError as e:
         raise _missing("jax._src.shard_map.ShardMapTrace", e) from None
     return isinstance(core.trace_ctx.trace, ShardMapTrace)
+
+
+def runtime_tokens():
+    """jax's record of the last execution with side effects on each device (``jax._src.dispatch.runtime_tokens``):
+    ``output_runtime_tokens`` {device: token}; a failed execution stays there and is raised again at exit."""
+    try:
+        from jax._src.dispatch import runtime_tokens as tokens
+    except ImportError as e:
+        raise _missing("jax._src.dispatch.runtime_tokens", e) from None
+    return tokens

@@ -11,9 +11,11 @@ run time, so the same jitted function works on any number of processes and devic
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -23,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_engram import _ffi
+from jax_engram import _ffi, _jax_private
 from jax_engram._exchange import Exchange
 from jax_engram.config import EPConfig, ep_config as _ep_config
 
@@ -48,7 +50,60 @@ def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
 
 
 class JaxEngramError(RuntimeError):
-    """An error reported by a jax_engram op on the device (timeout, invalid routing, ...)."""
+    """An error reported by a jax_engram op on the device (timeout, invalid routing, ...).
+
+    Raised by ``Context.check()``, by the ``*_global`` methods and by calls outside ``jax.jit``. Inside a jitted
+    function the call itself raises XLA's ``jax.errors.JaxRuntimeError`` carrying the same message (see
+    docs/semantics.md, "Errors")."""
+
+
+def error_message(e: BaseException) -> str | None:
+    """The jax_engram message inside an XLA runtime error (after XLA's status code, or at the end of the traceback
+    XLA puts around a host callback's exception), or None when the error is not a jax_engram one."""
+    lines = [l for l in str(e).splitlines() if "jax_engram " in l]
+    if not lines:
+        return None
+    line = lines[-1]
+    return line[line.find("jax_engram "):]
+
+
+def _take_failed_execution(devices) -> str | None:
+    """Wait for the last execution with side effects on each of ``devices``; forget those that failed with a
+    jax_engram error (so that JAX does not raise them again at exit) and return the first such message."""
+    tokens = _jax_private.runtime_tokens()
+    first = None
+    for d in [d for d in list(tokens.output_runtime_tokens) if d in devices]:
+        try:
+            tokens.output_runtime_tokens[d].block_until_ready()
+        except Exception as e:  # noqa: BLE001 - XLA's runtime error type; ours are recognised by their message
+            msg = error_message(e)
+            if msg is None:
+                continue  # not ours: JAX reports it as usual
+            first = first or msg
+            tokens.output_runtime_tokens.pop(d, None)
+    return first
+
+
+class _OwnCallbackErrors(logging.Filter):
+    """JAX logs every exception a host callback raises, with its traceback, before XLA fails the call with it. A
+    JaxEngramError raised by our callbacks (checked lookups, validate_routing) is the call's error, reported once
+    by the call: drop JAX's log record of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], JaxEngramError))
+
+
+logging.getLogger("jax._src.callback").addFilter(_OwnCallbackErrors())
+
+
+@atexit.register
+def _forget_failed_executions_at_exit() -> None:
+    """A failed jax_engram call was raised by the call that ran it (or by ``ctx.check()``); without this, JAX would
+    print it twice more at interpreter exit. Registered after jax's own exit handlers, so it runs before them."""
+    try:
+        _take_failed_execution(set(_jax_private.runtime_tokens().output_runtime_tokens))
+    except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,11 +386,18 @@ class Context:
             raise RuntimeError(f"jax_engram context {self.id} is closed")
 
     def check(self) -> None:
-        """Raise JaxEngramError if an op of this context failed on any local device (e.g. a timeout)."""
+        """Wait for the work this process queued on the context's devices, then raise :class:`JaxEngramError` (with
+        the op's own message) if a jax_engram op failed there: an error recorded in the context (a timeout, bad
+        routing: the context is unusable) or a failed call of a jitted function (a checked lookup, a
+        ``validate_routing`` refusal: the context stays usable). A failed call is reported once and then
+        forgotten: JAX would otherwise raise it again at interpreter exit."""
+        failure = _take_failed_execution({m.device for m in self.members})
         for m in self._created:
             e = self._native.error(self.id, m.ordinal)
             if e is not None:
                 raise JaxEngramError(e["message"])
+        if failure is not None:
+            raise JaxEngramError(failure)
 
     def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
                       config: EPConfig | None = None) -> str:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT, WORKERS_DIR
 
 WORKER = str(WORKERS_DIR / "contract_check.py")
@@ -24,3 +26,27 @@ def test_reordered_mesh_is_refused():
     passed = [l for l in p.stdout.splitlines() if l.startswith("PASS ")]
     # 2 group shapes x (same mesh + 2 reordered meshes x 5 ops + eager refusal)
     assert len(passed) == 2 * (1 + 2 * 5 + 1), p.stdout
+
+
+@pytest.mark.parametrize("kind,where", [("routing", "jit"), ("routing", "check"), ("validate_routing", "jit"),
+                                        ("validate_routing", "check"), ("checked", "jit"), ("checked", "check"),
+                                        ("checked", "global")])
+def test_errors_raised_as_documented_once_and_not_at_exit(kind, where):
+    """docs/semantics.md "Errors": inside jit, XLA's JaxRuntimeError carrying our message; ctx.check() after it and
+    the *_global methods: JaxEngramError whose message starts with ``jax_engram``; nothing printed at exit."""
+    p = _run("--case", "error", "--error", kind, "--where", where)
+    assert p.returncode == 0 and p.stdout.splitlines()[-1] == "END", p.stdout[-4000:] + p.stderr[-4000:]
+    raised = [l[len("RAISED "):] for l in p.stdout.splitlines() if l.startswith("RAISED ")]
+    assert len(raised) == (2 if where == "check" else 1), p.stdout
+    first_type, first_msg = raised[0].split(" :: ", 1)
+    want_op = {"routing": "jax_engram ep dispatch", "validate_routing": "jax_engram dispatch (validate_routing=True)",
+               "checked": "jax_engram engram fetch"}[kind]
+    if where == "global":
+        assert first_type == "jax_engram.context.JaxEngramError" and first_msg.startswith(want_op), raised
+    else:
+        assert first_type == "jax.errors.JaxRuntimeError" and want_op in first_msg, raised
+    if where == "check":
+        t, msg = raised[1].split(" :: ", 1)
+        assert t == "jax_engram.context.JaxEngramError" and msg.startswith(want_op), raised
+    # Reported once: no log record of the callback's exception, nothing raised again at exit.
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr[-4000:]

@@ -110,3 +110,42 @@ if args.case == "mesh":
     grid = np.array(DEVS).reshape(2, 2)
     mesh_case(("node", "gpu"), Mesh(grid, ("node", "gpu")),
               {"nodes swapped": Mesh(grid[::-1], ("node", "gpu")), "gpus swapped": Mesh(grid[:, ::-1], ("node", "gpu"))})
+
+
+def error_case(kind: str, where: str):
+    """One failing call; prints ``RAISED <type> :: <message>`` for the exception the user sees, then, for
+    where="check", the one ``ctx.check()`` raises after the jitted call failed."""
+    mesh = Mesh(np.array(DEVS), ("x",))
+    ctx = je.init(mesh, "x", timeout_s=10)
+    x = jnp.ones((4 * N, H), jnp.float32)
+    bad = jnp.tile(jnp.array([[0], [1], [7], [1]], jnp.int32), (4, 1))  # expert 7 of 4, at token 2 of each rank
+
+    def run(f, *a):
+        sm = jax.shard_map(f, mesh=mesh, in_specs=tuple(P("x") for _ in a), out_specs=P("x"))
+        return jax.block_until_ready(jax.jit(sm)(*a))
+
+    tab = je.EngramTable(ENTRIES, H, jnp.float32, ctx=ctx)
+    tab.write_global(np.ones((4 * ENTRIES, H), np.float32))
+    calls = {
+        "routing": lambda: run(lambda x, i: je.dispatch(x, i, ctx=ctx, num_experts=E, max_tokens_per_rank=N)
+                               .num_recv_tokens.reshape(1), x, bad),
+        "validate_routing": lambda: run(lambda x, i: je.dispatch(x, i, ctx=ctx, num_experts=E, max_tokens_per_rank=N,
+                                                                 validate_routing=True).num_recv_tokens.reshape(1),
+                                        x, bad),
+        "checked": lambda: run(lambda i: tab.lookup(i, mode="checked")[0], jnp.full((8, 1), 99, jnp.int32)),
+    }
+    if where == "global":
+        calls["checked"] = lambda: tab.lookup_global(np.full((8, 1), 99, np.int32), mode="checked")
+    for step in (calls[kind], ctx.check) if where == "check" else (calls[kind],):
+        try:
+            step()
+            print("RAISED nothing", flush=True)
+        except Exception as e:  # noqa: BLE001 - the test inspects the type
+            print(f"RAISED {type(e).__module__}.{type(e).__name__} :: {' | '.join(str(e).splitlines())}", flush=True)
+    if kind != "routing":  # the context stays usable: a good call after the failed one
+        np.testing.assert_array_equal(tab.lookup_global(np.array([[1], [31]], np.int32))[0], np.ones((2, H), np.float32))
+    print("END", flush=True)
+
+
+if args.case == "error":
+    error_case(args.error, args.where)
