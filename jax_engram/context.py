@@ -388,9 +388,9 @@ class Context:
     def check(self) -> None:
         """Wait for the work this process queued on the context's devices, then raise :class:`JaxEngramError` (with
         the op's own message) if a jax_engram op failed there: an error recorded in the context (a timeout, bad
-        routing: the context is unusable) or a failed call of a jitted function (a checked lookup, a
-        ``validate_routing`` refusal: the context stays usable). A failed call is reported once and then
-        forgotten: JAX would otherwise raise it again at interpreter exit."""
+        routing: the context is unusable) or a failed call of a jitted function that JAX still holds for these
+        devices (a checked lookup, a ``validate_routing`` refusal: the context stays usable). Such a failure is
+        reported once and then forgotten: JAX would otherwise raise it again at interpreter exit."""
         failure = _take_failed_execution({m.device for m in self.members})
         for m in self._created:
             e = self._native.error(self.id, m.ordinal)
