@@ -260,7 +260,6 @@ class Context:
                     "peer's memory, which only works inside one host (NVLink domain). Use a 2-D (node, local) "
                     f"EP group: jax_engram.init(mesh, (\"node\", {self.axis_name!r})) with a mesh whose last axis "
                     "stays inside a host")
-        self.spans_hosts = getattr(self, "spans_hosts", False)
 
     def nccl_topology(self) -> dict[int, dict]:
         """Collective (every process of the context must call it): create the side NCCL communicator, window and
@@ -499,7 +498,7 @@ class Context:
                               for m in self.members],
             "window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
                        "host_segment_bytes": _align(self.host_bytes or 0)},
-            "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts, "cuda_graphs": self.cuda_graphs,
+            "timeout_s": self.timeout_s, "cuda_graphs": self.cuda_graphs,
             "ranks_per_gpu": self.ranks_per_gpu,
             "ep_config": dataclasses.asdict(self.ep_config),
         }
