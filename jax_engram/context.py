@@ -372,6 +372,8 @@ class Context:
         return r
 
     def release(self, r: Region) -> None:
+        """Give region ``r`` (from :meth:`region`) back: to its reservation, or free its own segment (collective
+        then). Nothing to do after ``close()``."""
         if self._closed:
             return
         if r.alloc_id == 0:
@@ -441,6 +443,9 @@ class Context:
         return out
 
     def errors(self) -> list[dict]:
+        """The errors recorded in this context on this process's devices (one dict per device that has one: ``op``,
+        ``rank``, ``peer``, ``code``, ``message``, ...); empty while the context is healthy. A context with an
+        error is unusable: close it (``close()`` does not wait for peers then) and create a new one."""
         return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]
 
     def _teardown(self) -> None:
@@ -491,6 +496,9 @@ class Context:
 
     # ---------------------------------------------------------------------------------------- diagnosis
     def info(self) -> dict:
+        """What this context is, as a dict: id, platform, axis, ranks, groups, processes, the local members (device,
+        ordinal, group, rank), the window's segment sizes, timeout, CUDA graphs, ranks per GPU, the EP config,
+        and, once created, what NCCL reports (``nccl_topology()``). For logs and diagnosis."""
         d = {
             "id": self.id, "platform": self.platform, "axis": self.axis_name, "num_ranks": self.num_ranks,
             "groups": len(self._groups), "processes": len(self.process_ids), "process_index": jax.process_index(),
@@ -562,7 +570,11 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 
     axis_name may be a tuple of mesh axes ``("node", "gpu")``: a hierarchical EP group spanning nodes (the
-    last axis inside one node; global rank = node-major), see :mod:`jax_engram._scaleout`.
+    last axis inside one node; global rank = node-major). The same ops and tables work on it; ids and tokens
+    cross nodes through XLA collectives over the node axes (README, "Across nodes").
+
+    Every op of the context runs inside ``jax.jit(jax.shard_map(...))`` over a mesh that places the devices as
+    ``mesh`` does (``ctx.mesh``); another device order is refused when the function is lowered.
 
     device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
     segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
@@ -590,4 +602,5 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
 
 
 def live_contexts() -> list[Context]:
+    """The contexts of this process that are not closed yet (e.g. to close them all at the end of a job)."""
     return list(_live)

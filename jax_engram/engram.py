@@ -375,7 +375,9 @@ class EngramTable:
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
         must be computed first; it only orders the fetch, so it may be a differentiated array: the fetch adds
-        nothing to its gradient). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
+        nothing to its gradient). ``mode``, for ids ``>= num_ranks*num_entries`` (negative ids are padding: zero
+        rows): "fill" reads zeros, "clip" the last row, "checked" fails the call naming the first bad id (see
+        docs/semantics.md, "Errors"). ``sf_layout``:
         "row" -> sf [T, I*P]; "tma_col_major" -> sf [I*P, align(T, 4)] (column-major by token, zero padding).
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
