@@ -52,9 +52,9 @@ def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
 class JaxEngramError(RuntimeError):
     """An error reported by a jax_engram op on the device (timeout, invalid routing, ...).
 
-    Raised by ``Context.check()``, by the ``*_global`` methods and by calls outside ``jax.jit``. Inside a jitted
-    function the call itself raises XLA's ``jax.errors.JaxRuntimeError`` carrying the same message (see
-    docs/semantics.md, "Errors")."""
+    Raised by ``Context.check()`` (errors recorded in the context) and by the ``*_global`` methods. A call of a
+    jitted function raises XLA's ``jax.errors.JaxRuntimeError`` carrying the same message (see docs/semantics.md,
+    "Errors")."""
 
 
 def error_message(e: BaseException) -> str | None:
@@ -67,21 +67,17 @@ def error_message(e: BaseException) -> str | None:
     return line[line.find("jax_engram "):]
 
 
-def _take_failed_execution(devices) -> str | None:
-    """Wait for the last execution with side effects on each of ``devices``; forget those that failed with a
-    jax_engram error (so that JAX does not raise them again at exit) and return the first such message."""
+def _forget_failed_executions(devices) -> None:
+    """Wait for the last execution with side effects on each of ``devices`` and forget those that failed with a
+    jax_engram error. The call that ran it raised it already; JAX keeps it as the device's runtime token and would
+    raise it again at interpreter exit (or at the next effects barrier)."""
     tokens = _jax_private.runtime_tokens()
-    first = None
     for d in [d for d in list(tokens.output_runtime_tokens) if d in devices]:
         try:
             tokens.output_runtime_tokens[d].block_until_ready()
         except Exception as e:  # noqa: BLE001 - XLA's runtime error type; ours are recognised by their message
-            msg = error_message(e)
-            if msg is None:
-                continue  # not ours: JAX reports it as usual
-            first = first or msg
-            tokens.output_runtime_tokens.pop(d, None)
-    return first
+            if error_message(e) is not None:  # not ours: JAX reports it as usual
+                tokens.output_runtime_tokens.pop(d, None)
 
 
 class _OwnCallbackErrors(logging.Filter):
@@ -101,7 +97,7 @@ def _forget_failed_executions_at_exit() -> None:
     """A failed jax_engram call was raised by the call that ran it (or by ``ctx.check()``); without this, JAX would
     print it twice more at interpreter exit. Registered after jax's own exit handlers, so it runs before them."""
     try:
-        _take_failed_execution(set(_jax_private.runtime_tokens().output_runtime_tokens))
+        _forget_failed_executions(set(_jax_private.runtime_tokens().output_runtime_tokens))
     except Exception:  # noqa: BLE001 - never fail the interpreter's exit
         pass
 
@@ -387,18 +383,16 @@ class Context:
             raise RuntimeError(f"jax_engram context {self.id} is closed")
 
     def check(self) -> None:
-        """Wait for the work this process queued on the context's devices, then raise :class:`JaxEngramError` (with
-        the op's own message) if a jax_engram op failed there: an error recorded in the context (a timeout, bad
-        routing: the context is unusable) or a failed call of a jitted function that JAX still holds for these
-        devices (a checked lookup, a ``validate_routing`` refusal: the context stays usable). Such a failure is
-        reported once and then forgotten: JAX would otherwise raise it again at interpreter exit."""
-        failure = _take_failed_execution({m.device for m in self.members})
+        """Wait for the work this process queued on the context's devices, then raise :class:`JaxEngramError` (the
+        op's own message) if an error is recorded in the context: a timeout or bad routing found by a kernel (the
+        context is then unusable; on GPU such an error is recorded without failing the call). A failed call that
+        left the context usable (a checked lookup, a ``validate_routing`` refusal) was raised by the call itself;
+        ``check`` does not raise it again, and forgets it so that JAX does not raise it again at exit."""
+        _forget_failed_executions({m.device for m in self.members})
         for m in self._created:
             e = self._native.error(self.id, m.ordinal)
             if e is not None:
                 raise JaxEngramError(e["message"])
-        if failure is not None:
-            raise JaxEngramError(failure)
 
     def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
                       config: EPConfig | None = None) -> str:

@@ -114,7 +114,7 @@ if args.case == "mesh":
 
 def error_case(kind: str, where: str):
     """One failing call; prints ``RAISED <type> :: <message>`` for the exception the user sees, then, for
-    where="check", the one ``ctx.check()`` raises after the jitted call failed."""
+    where="check", what ``ctx.check()`` raises after the jitted call failed (``RAISED nothing``: nothing)."""
     mesh = Mesh(np.array(DEVS), ("x",))
     ctx = je.init(mesh, "x", timeout_s=10)
     x = jnp.ones((4 * N, H), jnp.float32)
