@@ -11,7 +11,8 @@ cmd="${1:-main}"; shift || true
 
 find_python() {
   for p in "${JAX_ENGRAM_PYTHON:-}" python3.13 python3.12; do
-    [ -n "$p" ] && command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+    # 2>/dev/null: a pyenv shim of a version that is not selected prints "pyenv: python3.13: command not found"
+    [ -n "$p" ] && command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
       && { command -v "$p"; return; }
   done
   if command -v pyenv >/dev/null 2>&1; then

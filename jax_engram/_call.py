@@ -3,12 +3,17 @@ static attributes of exact C++ types."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
 import numpy as np
+
+from jax_engram import _jax_private
 
 
 def check_axis(ctx, op: str) -> None:
-    """Fail at trace time unless we are inside shard_map over the context's axis (with its size)."""
+    """Fail at trace time unless we are inside shard_map over the context's axis (with its size), and when the
+    function is lowered unless that shard_map's mesh places the context's devices where the context does."""
     ctx._check_open()
     try:
         size = jax.lax.axis_size(ctx.axis_name)
@@ -19,6 +24,60 @@ def check_axis(ctx, op: str) -> None:
     if int(size) != ctx.num_ranks:
         raise ValueError(f"jax_engram.{op}: axis {ctx.axis_name!r} has size {size} here but the context has "
                          f"{ctx.num_ranks} ranks")
+    if _jax_private.in_eager_shard_map():
+        raise ValueError(
+            f"jax_engram.{op}: called in a shard_map that is not under jax.jit; jax_engram ops run only inside "
+            "jitted code (wrap the shard_map: jax.jit(jax.shard_map(...)))")
+    axes = _axes(ctx.axis_name)
+    _mesh_check_p.bind(op=op, context_id=int(ctx.id), axes=axes, groups=ep_groups(ctx.mesh, axes))
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def ep_groups(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of ``mesh`` along ``axes`` (the first axis major): per group, its devices' ids in rank order.
+    An op's rank is the position of its device in its group, which is how its member is found at run time."""
+    names = list(mesh.axis_names)
+    order = [i for i, n in enumerate(names) if n not in axes] + [names.index(a) for a in axes]
+    ids = np.vectorize(lambda d: int(d.id), otypes=[np.int64])(mesh.devices)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    return tuple(tuple(int(v) for v in row) for row in np.transpose(ids, order).reshape(-1, size))
+
+
+# The mesh check. Inside shard_map only the abstract mesh (axis names and sizes) is known while tracing; the
+# concrete mesh, whose device order decides which device runs which position of the axis, is known when the
+# function is lowered. check_axis binds this primitive (no operands, no results, no code emitted); its lowering
+# compares the enclosing shard_map's mesh with the context's. It carries the FFI calls' side effect so that it is
+# kept wherever they are.
+_mesh_check_p = jax.extend.core.Primitive("jax_engram_mesh_check")
+_mesh_check_p.multiple_results = True
+_mesh_check_p.def_effectful_abstract_eval(lambda **_: ([], {_jax_private.ffi_effect()}))
+_mesh_check_p.def_impl(lambda **_: [])
+ad.primitive_jvps[_mesh_check_p] = lambda primals, tangents, **_: ([], [])
+batching.primitive_batchers[_mesh_check_p] = lambda args, dims, **_: ([], [])
+
+
+def _mesh_check_lowering(lowering, *, op, context_id, axes, groups):
+    mesh = getattr(lowering.module_context.axis_context, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh) or not all(a in mesh.axis_names for a in axes):
+        return []  # not lowered inside a shard_map over a concrete mesh: nothing to compare
+    known = set(groups)
+    for got in ep_groups(mesh, axes):
+        if got not in known:
+            theirs = next((g for g in groups if set(g) & set(got)), groups[0])
+            name = axes[0] if len(axes) == 1 else axes
+            raise ValueError(
+                f"jax_engram.{op}: the shard_map's mesh does not place the devices along axis {name!r} as the "
+                f"mesh of context {context_id} does: the context's group has devices {list(theirs)} (by id, "
+                f"rank 0 first), this mesh has {list(got)}. An op's rank is its device's position in the context's "
+                "mesh, so the rows would reach the wrong ranks; run the op in a shard_map over the context's mesh "
+                "(ctx.mesh)")
+    return []
+
+
+mlir.register_lowering(_mesh_check_p, _mesh_check_lowering)
 
 
 def require_host_callbacks(what: str) -> None:

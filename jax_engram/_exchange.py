@@ -28,8 +28,10 @@ class Exchange:
             )
         self._n = 0
 
-    def allgather(self, name: str, local: dict[str, Any], want: list[str]) -> dict[str, Any]:
-        """Publish `local` records and return the records for every key in `want` (from any process)."""
+    def allgather(self, name: str, local: dict[str, Any], want: list[str], *,
+                  timeout_s: float | None = None) -> dict[str, Any]:
+        """Publish `local` records and return the records for every key in `want` (from any process), waiting at
+        most `timeout_s` (default: the context's timeout) for them all."""
         if not self.multi:
             missing = [k for k in want if k not in local]
             if missing:
@@ -39,7 +41,8 @@ class Exchange:
         for k, v in local.items():
             self.client.key_value_set(f"{base}/{k}", json.dumps(v))
         out = dict(local)
-        deadline = time.monotonic() + self.timeout_ms / 1000  # one bound for the whole exchange, not one per key
+        bound_s = self.timeout_ms / 1000 if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + bound_s  # one bound for the whole exchange, not one per key
         for k in want:
             if k in out:
                 continue
@@ -50,7 +53,7 @@ class Exchange:
                 missing = [m for m in want if m not in out and self._try_get(f"{base}/{m}") is None]
                 raise TimeoutError(
                     f"jax_engram exchange '{name}': no record from {missing or [k]} (process index, or group.rank) within "
-                    f"{self.timeout_ms / 1000:.0f} s (a process did not call the same jax_engram function, or "
+                    f"{bound_s:.0f} s (a process did not call the same jax_engram function, or "
                     f"died): {e}"
                 ) from e
         return out

@@ -25,3 +25,34 @@ def backends_initialized() -> bool:
     except ImportError as e:
         raise _missing("jax._src.xla_bridge.backends_are_initialized", e) from None
     return bool(xla_bridge.backends_are_initialized())
+
+
+def ffi_effect():
+    """The effect of a side-effecting ``jax.ffi.ffi_call`` (what keeps it from being dead-code eliminated); a
+    primitive with this effect is kept and allowed wherever jax_engram's FFI calls are."""
+    try:
+        from jax._src.ffi import _FfiEffect
+    except ImportError as e:
+        raise _missing("jax._src.ffi._FfiEffect", e) from None
+    return _FfiEffect
+
+
+def in_eager_shard_map() -> bool:
+    """Whether the innermost trace is an eager (not jitted) ``jax.shard_map``, which runs every primitive as a
+    program of its own."""
+    try:
+        from jax._src import core
+        from jax._src.shard_map import ShardMapTrace
+    except ImportError as e:
+        raise _missing("jax._src.shard_map.ShardMapTrace", e) from None
+    return isinstance(core.trace_ctx.trace, ShardMapTrace)
+
+
+def runtime_tokens():
+    """jax's record of the last execution with side effects on each device (``jax._src.dispatch.runtime_tokens``):
+    ``output_runtime_tokens`` {device: token}; a failed execution stays there and is raised again at exit."""
+    try:
+        from jax._src.dispatch import runtime_tokens as tokens
+    except ImportError as e:
+        raise _missing("jax._src.dispatch.runtime_tokens", e) from None
+    return tokens

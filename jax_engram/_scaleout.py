@@ -175,12 +175,11 @@ class HierContext:
 
 # ------------------------------------------------------------------------------------------------- Engram
 def _engram_table_class():
-    from jax_engram.engram import EngramTable, EngramPending, _legacy_positional_ctx
+    from jax_engram.engram import EngramTable, EngramPending
 
     class _HierEngramTable(EngramTable):
-        """EngramTable over a :class:`HierContext` (same API; see the module docstring for the path)."""
+        """EngramTable over a :class:`HierContext` (same API; the path: the ``jax_engram._scaleout`` docstring)."""
 
-        @_legacy_positional_ctx
         def __init__(self, num_entries: int, hidden: int, dtype=jnp.bfloat16, *, ctx, placement: str = "host",
                      num_sf_packs: int = 0, sf_dtype=np.float32, sf_placement: str = "device", config=None):
             inner = EngramTable(num_entries, hidden, dtype, ctx=ctx.inner, placement=placement,

@@ -18,8 +18,8 @@ every process. Each Engram table of a GIN context then registers its shard (and 
 windows (:func:`register_table`, collective, at table creation; released by ``free()``); a table whose
 registration fails anywhere stays on the collective path. ``ctx.close()`` frees the communicator.
 
-This path is compiled and its lowering and request accounting are tested, but no machine of this project has
-a GIN-capable NIC: it has never run on hardware.
+Tested: the lowering, the request accounting and the probe's agreement across processes. The GIN fetch itself
+is experimental: it is not yet tested on a GIN-capable network.
 """
 from __future__ import annotations
 
@@ -39,9 +39,29 @@ def _version(v: int) -> str:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
+def _agree(inner, name: str, why: str, after_steps: int) -> str:
+    """Collective: share this process's reason ("" = fine) and return the first process's non-empty one.
+
+    Every process must reach the same answer. The step before this exchange may end at once on one process (a
+    local check failed) while a peer still waits in it (a collective registration, each of its ``after_steps``
+    waits bounded by the context timeout): the exchange waits for the slowest possible peer plus its own bound, so
+    a process that failed fast does not time out while its peers go on. Only a peer that died makes it time out,
+    and then every surviving process raises the same TimeoutError."""
+    procs = [str(p) for p in inner.process_ids]
+    recs = inner._exchange.allgather(name, {str(jax.process_index()): why}, procs,
+                                     timeout_s=(after_steps + 1) * inner.timeout_s)
+    return next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+
+
+# Waits bounded by the context timeout in each collective step of probe (see _agree): nccl_topology (barrier,
+# unique id, communicator init, window registration), _init_comm (unique id, GIN communicator init).
+_TOPOLOGY_STEPS, _INIT_STEPS = 4, 2
+
+
 def probe(ctx) -> tuple[str, str]:
     """(inter-node path, reason) of a :class:`~jax_engram._scaleout.HierContext`. Collective over the processes
-    of the context only past the single-node / CPU checks (which every process answers alike)."""
+    of the context only past the single-node / CPU checks (which every process answers alike); every process
+    returns the same answer, or raises the same error when a process died."""
     if ctx.platform != "gpu":
         return XLA, "CPU context: GIN is a GPU network path"
     if ctx.num_nodes == 1:
@@ -49,10 +69,7 @@ def probe(ctx) -> tuple[str, str]:
     inner = ctx.inner
     sup = inner._native.gin_support()
     why = sup["reason"] or ("ranks share a GPU (no NCCL communicator)" if inner.ranks_per_gpu > 1 else "")
-    procs = [str(p) for p in inner.process_ids]
-    me = str(jax.process_index())
-    recs = inner._exchange.allgather("gin_support", {me: why}, procs)
-    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    why = _agree(inner, "gin_support", why, 0)
     if why:
         return XLA, why
     try:
@@ -61,16 +78,14 @@ def probe(ctx) -> tuple[str, str]:
         why = "; ".join(sorted({q["reason"] for q in qs if q["gin_type"] <= 0 and q["railed_gin_type"] <= 0}))
     except Exception as e:  # a node without a working communicator has no GIN either
         why = f"the node's NCCL communicator could not be asked: {e}"
-    recs = inner._exchange.allgather("gin_query", {me: why}, procs)
-    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    why = _agree(inner, "gin_query", why, _TOPOLOGY_STEPS)
     if why:
         return XLA, why
     try:
         _init_comm(ctx)
     except Exception as e:  # every process learns it below and stays on the collective path
         why = f"the cross-node GIN communicator could not be created: {e}"
-    recs = inner._exchange.allgather("gin_init", {me: why}, procs)
-    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    why = _agree(inner, "gin_init", why, _INIT_STEPS)
     if why:
         release(ctx)
         return XLA, why
@@ -135,8 +150,6 @@ def register_table(table) -> tuple[GinTable | None, str]:
     (None, why) when any process could not register them (the table then uses the collective path)."""
     ctx = table.ctx
     inner = ctx.inner
-    me = str(jax.process_index())
-    procs = [str(p) for p in inner.process_ids]
     wid = next(_window_ids)
     regions = [(wid, table.region)] + ([(wid + 1, table.sf_region)] if table.num_sf_packs else [])
     next(_window_ids)
@@ -150,8 +163,7 @@ def register_table(table) -> tuple[GinTable | None, str]:
             offsets.append(off)
     except Exception as e:
         why = f"registering the table for GIN failed: {e}"
-    recs = inner._exchange.allgather(f"gin_table/{wid}", {me: why}, procs)
-    why = next((f"process {p}: {r}" for p, r in sorted(recs.items()) if r), "")
+    why = _agree(inner, f"gin_table/{wid}", why, len(regions) * len({m.group for m in inner.members}))
     if why:
         _release_windows(ctx, [w for w, _ in regions])
         return None, why

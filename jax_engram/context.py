@@ -11,9 +11,11 @@ run time, so the same jitted function works on any number of processes and devic
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -23,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_engram import _ffi
+from jax_engram import _ffi, _jax_private
 from jax_engram._exchange import Exchange
 from jax_engram.config import EPConfig, ep_config as _ep_config
 
@@ -48,7 +50,56 @@ def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
 
 
 class JaxEngramError(RuntimeError):
-    """An error reported by a jax_engram op on the device (timeout, invalid routing, ...)."""
+    """An error reported by a jax_engram op on the device (timeout, invalid routing, ...).
+
+    Raised by ``Context.check()`` (errors recorded in the context) and by the ``*_global`` methods. A call of a
+    jitted function raises XLA's ``jax.errors.JaxRuntimeError`` carrying the same message (see docs/semantics.md,
+    "Errors")."""
+
+
+def error_message(e: BaseException) -> str | None:
+    """The jax_engram message inside an XLA runtime error (after XLA's status code, or at the end of the traceback
+    XLA puts around a host callback's exception), or None when the error is not a jax_engram one."""
+    lines = [l for l in str(e).splitlines() if "jax_engram " in l]
+    if not lines:
+        return None
+    line = lines[-1]
+    return line[line.find("jax_engram "):]
+
+
+def _forget_failed_executions(devices) -> None:
+    """Wait for the last execution with side effects on each of ``devices`` and forget those that failed with a
+    jax_engram error. The call that ran it raised it already; JAX keeps it as the device's runtime token and would
+    raise it again at interpreter exit (or at the next effects barrier)."""
+    tokens = _jax_private.runtime_tokens()
+    for d in [d for d in list(tokens.output_runtime_tokens) if d in devices]:
+        try:
+            tokens.output_runtime_tokens[d].block_until_ready()
+        except Exception as e:  # noqa: BLE001 - XLA's runtime error type; ours are recognised by their message
+            if error_message(e) is not None:  # not ours: JAX reports it as usual
+                tokens.output_runtime_tokens.pop(d, None)
+
+
+class _OwnCallbackErrors(logging.Filter):
+    """JAX logs every exception a host callback raises, with its traceback, before XLA fails the call with it. A
+    JaxEngramError raised by our callbacks (checked lookups, validate_routing) is the call's error, reported once
+    by the call: drop JAX's log record of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], JaxEngramError))
+
+
+logging.getLogger("jax._src.callback").addFilter(_OwnCallbackErrors())
+
+
+@atexit.register
+def _forget_failed_executions_at_exit() -> None:
+    """A failed jax_engram call was raised by the call that ran it (or by ``ctx.check()``); without this, JAX would
+    print it twice more at interpreter exit. Registered after jax's own exit handlers, so it runs before them."""
+    try:
+        _forget_failed_executions(set(_jax_private.runtime_tokens().output_runtime_tokens))
+    except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +256,6 @@ class Context:
                     "peer's memory, which only works inside one host (NVLink domain). Use a 2-D (node, local) "
                     f"EP group: jax_engram.init(mesh, (\"node\", {self.axis_name!r})) with a mesh whose last axis "
                     "stays inside a host")
-        self.spans_hosts = getattr(self, "spans_hosts", False)
 
     def nccl_topology(self) -> dict[int, dict]:
         """Collective (every process of the context must call it): create the side NCCL communicator, window and
@@ -318,6 +368,8 @@ class Context:
         return r
 
     def release(self, r: Region) -> None:
+        """Give region ``r`` (from :meth:`region`) back: to its reservation, or free its own segment (collective
+        then). Nothing to do after ``close()``."""
         if self._closed:
             return
         if r.alloc_id == 0:
@@ -331,7 +383,12 @@ class Context:
             raise RuntimeError(f"jax_engram context {self.id} is closed")
 
     def check(self) -> None:
-        """Raise JaxEngramError if an op of this context failed on any local device (e.g. a timeout)."""
+        """Wait for the work this process queued on the context's devices, then raise :class:`JaxEngramError` (the
+        op's own message) if an error is recorded in the context: a timeout or bad routing found by a kernel (the
+        context is then unusable; on GPU such an error is recorded without failing the call). A failed call that
+        left the context usable (a checked lookup, a ``validate_routing`` refusal) was raised by the call itself;
+        ``check`` does not raise it again, and forgets it so that JAX does not raise it again at exit."""
+        _forget_failed_executions({m.device for m in self.members})
         for m in self._created:
             e = self._native.error(self.id, m.ordinal)
             if e is not None:
@@ -380,6 +437,9 @@ class Context:
         return out
 
     def errors(self) -> list[dict]:
+        """The errors recorded in this context on this process's devices (one dict per device that has one: ``op``,
+        ``rank``, ``peer``, ``code``, ``message``, ...); empty while the context is healthy. A context with an
+        error is unusable: close it (``close()`` does not wait for peers then) and create a new one."""
         return [e for m in self._created if (e := self._native.error(self.id, m.ordinal)) is not None]
 
     def _teardown(self) -> None:
@@ -430,6 +490,9 @@ class Context:
 
     # ---------------------------------------------------------------------------------------- diagnosis
     def info(self) -> dict:
+        """What this context is, as a dict: id, platform, axis, ranks, groups, processes, the local members (device,
+        ordinal, group, rank), the window's segment sizes, timeout, CUDA graphs, ranks per GPU, the EP config,
+        and, once created, what NCCL reports (``nccl_topology()``). For logs and diagnosis."""
         d = {
             "id": self.id, "platform": self.platform, "axis": self.axis_name, "num_ranks": self.num_ranks,
             "groups": len(self._groups), "processes": len(self.process_ids), "process_index": jax.process_index(),
@@ -437,7 +500,7 @@ class Context:
                               for m in self.members],
             "window": {"workspace_bytes": WORKSPACE_BYTES, "device_segment_bytes": _align(self.device_bytes or 0),
                        "host_segment_bytes": _align(self.host_bytes or 0)},
-            "timeout_s": self.timeout_s, "spans_hosts": self.spans_hosts, "cuda_graphs": self.cuda_graphs,
+            "timeout_s": self.timeout_s, "cuda_graphs": self.cuda_graphs,
             "ranks_per_gpu": self.ranks_per_gpu,
             "ep_config": dataclasses.asdict(self.ep_config),
         }
@@ -501,7 +564,11 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 
     axis_name may be a tuple of mesh axes ``("node", "gpu")``: a hierarchical EP group spanning nodes (the
-    last axis inside one node; global rank = node-major), see :mod:`jax_engram._scaleout`.
+    last axis inside one node; global rank = node-major). The same ops and tables work on it; ids and tokens
+    cross nodes through XLA collectives over the node axes (README, "Across nodes").
+
+    Every op of the context runs inside ``jax.jit(jax.shard_map(...))`` over a mesh that places the devices as
+    ``mesh`` does (``ctx.mesh``); another device order is refused when the function is lowered.
 
     device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
     segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
@@ -529,4 +596,5 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
 
 
 def live_contexts() -> list[Context]:
+    """The contexts of this process that are not closed yet (e.g. to close them all at the end of a job)."""
     return list(_live)

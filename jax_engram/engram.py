@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import warnings
 from typing import Any, Literal, Optional
 
 import jax
@@ -97,22 +96,6 @@ _slots = itertools.count(1)  # EngramPending.slot: one per traced fetch call (it
 Placement = Literal["host", "device"]
 EngramMode = Literal["fill", "clip", "checked"]
 SfLayout = Literal["row", "tma_col_major"]
-
-
-def _legacy_positional_ctx(init):
-    """``EngramTable(ctx, num_entries, ...)`` (the context first, positionally) still works for one release."""
-
-    @functools.wraps(init)
-    def wrapper(self, *args, **kwargs):
-        if args and not isinstance(args[0], (int, np.integer)):  # a Context (flat or hierarchical), not num_entries
-            if "ctx" in kwargs:
-                raise TypeError("jax_engram.EngramTable: the context was given twice (positionally and as ctx=)")
-            warnings.warn("jax_engram.EngramTable(ctx, ...): passing the context positionally is deprecated; use "
-                          "EngramTable(num_entries, hidden, dtype, ctx=ctx)", DeprecationWarning, stacklevel=2)
-            kwargs["ctx"], args = args[0], args[1:]
-        return init(self, *args, **kwargs)
-
-    return wrapper
 
 
 def _dtype_name(d) -> str:
@@ -201,7 +184,6 @@ class EngramTable:
       ctx: a :class:`jax_engram.Context`. Construction is collective (every process constructs its tables
         in the same order) and takes memory from the context (``ctx.region``): from the init reservation
         of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
-        ``EngramTable(ctx, num_entries, ...)`` (positional context) is deprecated.
       placement: ``"host"`` (host-NUMA memory, read by the GPUs over PCIe/C2C) or ``"device"`` (HBM of the
         owner, read by peers over NVLink).
       num_sf_packs: P > 0 keeps a replicated scale-factor table ``[num_ranks*num_entries, P]`` of
@@ -214,13 +196,12 @@ class EngramTable:
     """
 
     def __new__(cls, *args, **kwargs):
-        ctx = kwargs.get("ctx", args[0] if args else None)  # ctx=, or the deprecated positional context
+        ctx = kwargs.get("ctx")
         if cls is EngramTable and getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
             from jax_engram._scaleout import hier_engram_table_class
             cls = hier_engram_table_class()
         return super().__new__(cls)
 
-    @_legacy_positional_ctx
     def __init__(self, num_entries: int, hidden: int, dtype: Any = jnp.bfloat16, *, ctx: Context,
                  placement: Placement = "host", num_sf_packs: int = 0, sf_dtype: Any = np.float32,
                  sf_placement: Placement = "device", config: EngramConfig | None = None):
@@ -394,7 +375,9 @@ class EngramTable:
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
         must be computed first; it only orders the fetch, so it may be a differentiated array: the fetch adds
-        nothing to its gradient). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
+        nothing to its gradient). ``mode``, for ids ``>= num_ranks*num_entries`` (negative ids are padding: zero
+        rows): "fill" reads zeros, "clip" the last row, "checked" fails the call naming the first bad id (see
+        docs/semantics.md, "Errors"). ``sf_layout``:
         "row" -> sf [T, I*P]; "tma_col_major" -> sf [I*P, align(T, 4)] (column-major by token, zero padding).
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this

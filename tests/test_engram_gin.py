@@ -3,6 +3,7 @@ table issues its gets from: checked against a numpy model and against the collec
 (jax_engram._scaleout.engram_buckets), so both inter-node paths read the same rows in the same order. Then the
 selection: probe's answers, and the hierarchical lookup lowered for CUDA with the GIN path forced (the GIN
 custom call, no all_to_all) and by default (all_to_all). No machine here has GIN: the fetch itself never runs."""
+import json
 import os
 import subprocess
 import sys
@@ -155,7 +156,7 @@ class _FakeNative:
 
 
 class _FakeExchange:
-    def allgather(self, name, local, want):
+    def allgather(self, name, local, want, *, timeout_s=None):
         return {k: local[k] for k in want}
 
     def broadcast_bytes(self, name, value, root):
@@ -170,6 +171,7 @@ class _FakeDevice:
 class _FakeInner:
     def __init__(self, native, fail_topology=False):
         self._native, self._exchange, self.id, self.ranks_per_gpu = native, _FakeExchange(), 7, 1
+        self.timeout_s = 100.0
         self.process_ids = [jax.process_index()]
         self.members = [type("M", (), {"ordinal": o, "device": _FakeDevice(10 + o)})() for o in (0, 1)]
         self.fail_topology, self.topology_calls = fail_topology, 0
@@ -310,3 +312,25 @@ def test_hier_lookup_lowers_to_gin_fetch_where_gin(mode):
     xla, xla_write_reduces = _lowered("xla", mode)
     assert "all_to_all" in xla and "jax_engram_engram_gin_fetch" not in xla
     assert xla_write_reduces == 0
+
+
+@pytest.mark.parametrize("scenario", ["fast_query", "fast_init", "dead"])
+def test_gin_probe_processes_agree(tmp_path, scenario):
+    """Two processes probe over a shared (directory) exchange. One fails fast (its local ginType check, or its GIN
+    communicator) while the other still waits in a collective step for longer than the context timeout: both reach
+    the same path and reason. When a process dies in a collective step, the survivor raises TimeoutError."""
+    T = 1.0
+    worker = str(REPO_ROOT / "tests" / "workers" / "gin_agreement.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), str(i), scenario, str(T)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO_ROOT),
+                              env=dict(os.environ, JAX_PLATFORMS="cpu")) for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    res = [[json.loads(l[7:]) for l in o.splitlines() if l.startswith("RESULT ")] for o, _ in outs]
+    if scenario == "dead":
+        assert res[1] == [] and res[0] and res[0][0]["error"] == "TimeoutError", (res, outs)
+        return
+    assert all(len(r) == 1 for r in res), outs
+    assert res[0] == res[1], res
+    want = {"fast_query": "process 0: NCCL reports no GIN backend",
+            "fast_init": "process 0: the cross-node GIN communicator could not be created"}[scenario]
+    assert res[0][0]["path"] == "xla all_to_all" and res[0][0]["reason"].startswith(want), res

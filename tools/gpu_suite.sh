@@ -37,15 +37,15 @@ for what in "${@:-foundation}"; do
       timeout 400 $PY -m pytest -q -rs tests/test_foundation.py -k gpu > "$OUT/foundation.log" 2>&1
       log "foundation GPU pytest rc=$?"; tail -4 "$OUT/foundation.log" | tee -a "$OUT/summary.txt" ;;
     probe)
-      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe.log" 2>&1 &&
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" tools/probe_nvlink.cu > "$OUT/probe.log" 2>&1 &&
         timeout 240 "$OUT/probe_nvlink" 256 >> "$OUT/probe.log" 2>&1
       log "probe_nvlink rc=$?"; cat "$OUT/probe.log"; rm -f "$OUT/probe_nvlink" ;;
     probe_engram)  # the Engram gather variants only (cudaMalloc vs cuMem tables, 1 GiB vs 128 MiB of rows)
-      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" benchmarks/probe_nvlink.cu > "$OUT/probe_engram.log" 2>&1 &&
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_nvlink" tools/probe_nvlink.cu > "$OUT/probe_engram.log" 2>&1 &&
         timeout 120 "$OUT/probe_nvlink" 256 engram >> "$OUT/probe_engram.log" 2>&1
       log "probe_nvlink engram rc=$?"; cat "$OUT/probe_engram.log"; rm -f "$OUT/probe_nvlink" ;;
     probe_reduce)  # combine's source-side sum on one GPU: register loads vs the cp.async ring, by CTA count
-      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_reduce" benchmarks/probe_reduce.cu > "$OUT/probe_reduce.log" 2>&1 &&
+      nvcc -O3 -std=c++17 -arch=sm_90a -o "$OUT/probe_reduce" tools/probe_reduce.cu > "$OUT/probe_reduce.log" 2>&1 &&
         timeout 120 "$OUT/probe_reduce" >> "$OUT/probe_reduce.log" 2>&1
       log "probe_reduce rc=$?"; cat "$OUT/probe_reduce.log"; rm -f "$OUT/probe_reduce" ;;
     engram_1gpu)  # the Engram checks on one GPU

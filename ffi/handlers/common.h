@@ -70,6 +70,12 @@ class MemberScope {
   ffi::Error err_ = ffi::Error::Success();
 };
 
+// A flat context maps every peer's window; a peer outside this NVLink domain has no mapping.
+inline constexpr const char* kPeerUnreachable =
+    "a peer on this axis is not reachable by loads/stores (another NVLink domain): a flat context must stay "
+    "inside one NVLink domain; span nodes with a hierarchical (node, local) EP group, "
+    "jax_engram.init(mesh, (\"node\", axis))";
+
 // Region of an allocation, checked against its size: (alloc id, offset, bytes).
 inline ffi::Error check_region(Member& m, int64_t alloc_id, int64_t offset, uint64_t bytes, int32_t op,
                                Allocation** out) {
@@ -80,8 +86,7 @@ inline ffi::Error check_region(Member& m, int64_t alloc_id, int64_t offset, uint
     return op_error(op, "region [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
                             ") exceeds allocation of " + std::to_string(a->total_bytes) + " bytes");
   for (auto* p : a->peers)
-    if (!p) return op_error(op, "a peer on this axis is not reachable by loads/stores (another NVLink domain); "
-                                "scale-out (GIN) support is not available yet", ffi::ErrorCode::kUnimplemented);
+    if (!p) return op_error(op, kPeerUnreachable, ffi::ErrorCode::kUnimplemented);
   *out = a;
   return ffi::Error::Success();
 }

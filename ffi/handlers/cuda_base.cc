@@ -20,8 +20,7 @@ ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
   if (!w || !w->peers_device)
     return op_error(op, "the context window is not connected on this device", ffi::ErrorCode::kFailedPrecondition);
   for (auto* p : w->peers)
-    if (!p) return op_error(op, "a peer on this axis is not reachable by loads/stores (another NVLink domain); "
-                                "scale-out (GIN) support is not available yet", ffi::ErrorCode::kUnimplemented);
+    if (!p) return op_error(op, kPeerUnreachable, ffi::ErrorCode::kUnimplemented);
   return ffi::Error::Success();
 }
 

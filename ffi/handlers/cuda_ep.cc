@@ -75,8 +75,7 @@ ffi::Error make_window(Member& m, Allocation& st, int64_t offset, int32_t op, Ep
   if (!win || !win->peers_device || !st.peers_device)
     return op_error(op, "the context window is not connected on this device", ffi::ErrorCode::kFailedPrecondition);
   for (auto* p : win->peers)
-    if (!p) return op_error(op, "a peer on this axis is not reachable by loads/stores (another NVLink domain); "
-                                "scale-out (GIN) support is not available yet", ffi::ErrorCode::kUnimplemented);
+    if (!p) return op_error(op, kPeerUnreachable, ffi::ErrorCode::kUnimplemented);
   w->ws_peers = static_cast<uint8_t* const*>(win->peers_device);
   w->ws_own = win->local;
   w->st_peers = static_cast<uint8_t* const*>(st.peers_device);

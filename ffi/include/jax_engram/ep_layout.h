@@ -135,7 +135,7 @@ JE_HD int32_t ep_meta_rank_k(int32_t s, int32_t master_k, int32_t K) { return s 
 //
 // Two protocols share this layout. PULL (CPU backend): a rank stages its own rows, peers read them. PUSH (CUDA):
 // a rank writes each row straight into the inbox slot it owns on every destination rank, so NVLink carries
-// stores (posted writes, which reach the link rate with few SMs: benchmarks/probe_nvlink.cu) and every receiver
+// stores (posted writes, which reach the link rate with few SMs: tools/probe_nvlink.cu) and every receiver
 // polls and reads only its own memory. Slot of source s on rank d: ep_inbox_slot(s, d, R) (own rows never
 // travel). Slot contents, per half:
 //   ctrl        uint64 flag (= seq once the header below is valid), bad (= seq if the source's input is bad),

@@ -109,7 +109,7 @@ __device__ __noinline__ void warp_reduce_v(uint8_t* out, const uint8_t* b0, cons
 
 // out = T(-0 + a + b) for two rows and no bias (the common case: at 2 ranks every token with experts on both):
 // 8 units per lane of both rows in flight and no accumulator kept across terms, faster than the general form below
-// and than a cp.async ring (benchmarks/probe_reduce.cu compares them).
+// and than a cp.async ring (tools/probe_reduce.cu compares them).
 template <typename T, int U>
 __device__ __noinline__ void warp_sum2_v(uint8_t* out, const uint4* sa, const uint4* sb, int64_t nbytes, int lane) {
   constexpr int NE = 16 / sizeof(T);
@@ -177,7 +177,7 @@ __device__ __noinline__ void warp_sumn_v(uint8_t* out, const RowPtrs s, int64_t 
 
 // Sum of (b0, b1, the rows of the set bits of `mask` ascending; row of bit b = lane_src of lane b) into out.
 // Register loads, 4 units per lane of two terms at a time: a cp.async ring through shared memory is slower
-// (benchmarks/probe_reduce.cu).
+// (tools/probe_reduce.cu).
 template <typename T>
 JE_DEVICE void warp_sum(uint8_t* out, const uint8_t* b0, const uint8_t* b1, unsigned mask, const uint8_t* lane_src,
                         int64_t nbytes, int lane) {

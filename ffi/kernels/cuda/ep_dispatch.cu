@@ -1,7 +1,7 @@
 // EP dispatch and cached dispatch on CUDA: the PUSH protocol of ep_layout.h (inbox slots), one cooperative launch
 // of G = num_sms CTAs (kEpThreads threads each). NVLink carries only stores: every rank writes the rows it sends
 // straight into the slot it owns in each destination's inbox, and every receiver polls and reads only its own
-// memory. Why (benchmarks/probe_nvlink.cu): SM stores reach the link rate with few CTAs in both directions at once,
+// memory. Why (tools/probe_nvlink.cu): SM stores reach the link rate with few CTAs in both directions at once,
 // remote loads stay below it, and remote polling by many warps competes with the data.
 //
 // Dispatch, CTA c of rank `me` (call sequence number seq, staging half seq & 1). CTA c owns the token range

@@ -2,7 +2,7 @@
 // Engram kernels can be judged against what SM loads/stores and TMA bulk copies can reach with a given number of
 // SMs (the copy engine's figure is the P2P ceiling of the benchmarks).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink benchmarks/probe_nvlink.cu && ./probe_nvlink [MiB] [mode]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_nvlink tools/probe_nvlink.cu && ./probe_nvlink [MiB] [mode]
 //   mode: engram | tma | ce_dispatch | fanout (local fan-out copies, one GPU) | mixed (copy engine + SM stores)
 //
 // "engram" runs only the Engram gather variants: half of the rows local, tables from cudaMalloc or from cuMem

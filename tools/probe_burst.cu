@@ -4,7 +4,7 @@
 // a loop of such kernels (both GPUs at once) is what a 128-token dispatch can reach at best with SM stores; the
 // per-phase times say where a burst of that size spends it.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_burst benchmarks/probe_burst.cu && ./probe_burst [iters] [pipe]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_burst tools/probe_burst.cu && ./probe_burst [iters] [pipe]
 // ("pipe": the skeleton of a latency dispatch with roles split over SMs, pipe_kernel below)
 //
 // Columns: G CTAs (512 threads) | W warps of each CTA that store | unit = bytes a warp moves at a time (a row is

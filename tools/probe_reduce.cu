@@ -2,7 +2,7 @@
 // f32(b[t])) over 4096 tokens of 7168 bf16 (DeepEP's combine shape at 2 ranks: one own row and one row pushed by
 // the peer), one token per warp at a time, tokens handed out by an atomic counter as in the combine kernel.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_reduce benchmarks/probe_reduce.cu && ./probe_reduce
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o probe_reduce tools/probe_reduce.cu && ./probe_reduce
 //
 // Variants: "reg U" = U 16-byte loads per lane per source in registers, then the sum; "ring S" = the combine
 // kernel's cp.async ring of S 1 KB slots per warp; "copy U" = out[t] = a[t] (one source, for scale). GB/s counts
