@@ -438,8 +438,12 @@ class EngramTable:
         if pending.check_total:
             _call.require_host_callbacks("EngramTable.wait (mode='checked')")
             # A host callback after the reads: it fails this call (the execution) with the bad id, once; the
-            # table and the context stay usable (the check records nothing in the context).
-            jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), pending.status,
+            # table and the context stay usable (the check records nothing in the context). The status goes through
+            # a barrier with the waited data, so that XLA runs the callback after the wait: the fetch writes the
+            # status on its own stream (and on the host path only once the CPU gather is done), and nothing else
+            # orders a reader of the fetch's status after the wait.
+            status, _ = jax.lax.optimization_barrier((pending.status, data))
+            jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), status,
                                pending.indices, jax.lax.axis_index(self.ctx.axis_name))
         return data, (sf if pending.has_sf else None)
 
