@@ -199,12 +199,6 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     h.mode = static_cast<int32_t>(at.mode);
     h.out = static_cast<uint8_t*>(data->untyped_data());
     h.sf_table = reinterpret_cast<const uint32_t*>(sf_table);
-    if (sf_table && P > 0) {
-      Allocation* sa = m.alloc(at.sf_alloc_id);
-      const uint64_t sf_bytes = static_cast<uint64_t>(fs.total * P * engram::kSfWordBytes);
-      h.sf_host = sa && sa->cpu_readable && region_in_host_segments(*sa, static_cast<uint64_t>(at.sf_offset),
-                                                                     sf_bytes);
-    }
     h.P = P;
     h.sf_layout = static_cast<int32_t>(at.sf_layout);
     h.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
@@ -217,7 +211,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
       std::fprintf(stderr, "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement host overlap %d "
                    "ran cpu (host gather, sf %s)\n", m.rank, static_cast<long long>(T), static_cast<long long>(E),
                    static_cast<long long>(row_bytes), static_cast<int>(at.overlap && run_on != stream),
-                   !(sf_table && P > 0) ? "none" : h.sf_host ? "cpu" : "gpu");
+                   !(sf_table && P > 0) ? "none" : "gpu");
     if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
     return ffi::Error::Success();
   }

@@ -124,7 +124,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   sg = &hs->streams[stream];
   cudaError_t e = cudaSuccess;
   if (sg->rows_cap < static_cast<size_t>(n * rb) || sg->ids_cap < static_cast<size_t>(n) * 4 ||
-      sg->sf_cap < static_cast<size_t>(sf_words) * 4 || sg->flags_cap < flag_words * 4) {
+      sg->flags_cap < flag_words * 4) {
     // Warm-up only: the buffers may still be read by this stream's earlier copies.
     if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) {
       *what = "synchronizing the stream before growing the host-path staging";
@@ -132,7 +132,6 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     }
     e = grow(&sg->rows, &sg->rows_cap, static_cast<size_t>(n * rb), cudaHostAllocPortable);
     if (e == cudaSuccess) e = grow(&sg->ids, &sg->ids_cap, static_cast<size_t>(n) * 4, cudaHostAllocPortable);
-    if (e == cudaSuccess) e = grow(&sg->sf, &sg->sf_cap, static_cast<size_t>(sf_words) * 4, cudaHostAllocPortable);
     if (e == cudaSuccess && sg->flags_cap < flag_words * 4) {
       e = grow(&sg->flags, &sg->flags_cap, flag_words * 4, cudaHostAllocMapped | cudaHostAllocPortable);
       if (e == cudaSuccess) {
@@ -160,7 +159,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     return e;
   }
   // sf from HBM: a small kernel (reads the ids on the device; independent of the rows)
-  if (sf_any && !a.sf_host) {
+  if (sf_any) {
     if (a.sf_layout == engram::kSfTmaColMajor &&
         (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess) {
       *what = "zeroing the sf result";
@@ -190,10 +189,8 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   g.mode = a.mode;
   g.out = sg->rows;
   g.streaming = true;
-  g.sf_table = a.sf_host ? a.sf_table : nullptr;
-  g.P = a.sf_host ? a.P : 0;
-  g.sf_layout = a.sf_layout;
-  g.sf_out = sg->sf;
+  g.sf_table = nullptr;  // the scale factors: the small GPU gather above (a few bytes per row, wherever they live)
+  g.P = 0;
   job->peers = a.table->peers;
   job->n = n;
   job->item_rows = item_rows;
@@ -201,7 +198,6 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   job->flags = gate ? sg->flags : nullptr;
   job->seq = seq;
   job->status = status_host;
-  job->sf = sf_any && a.sf_host;
   job->fail = m.host_gather_fail_next.exchange(false);
   ErrorRecord* rec = m.error_host;
   const int32_t rank = m.rank;
@@ -237,16 +233,10 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
       return e;
     }
   }
-  // 4. status and host-gathered sf after the job's last flag
+  // 4. the status after the job's last flag
   if (gate && (e = wait_flag(chunks)) != cudaSuccess) return e;
   if ((e = cudaMemcpyAsync(a.status, status_host, 4, cudaMemcpyHostToDevice, stream)) != cudaSuccess) {
     *what = "copying the status word";
-    return e;
-  }
-  if (sf_any && a.sf_host && sf_words &&
-      (e = cudaMemcpyAsync(a.sf_out, sg->sf, static_cast<size_t>(sf_words) * 4, cudaMemcpyHostToDevice, stream)) !=
-          cudaSuccess) {
-    *what = "copying the gathered scale factors";
     return e;
   }
   return cudaSuccess;

@@ -38,8 +38,7 @@ struct EngramHostFetchArgs {
   int64_t offset = 0, row_bytes = 0;
   int32_t mode = 0;
   uint8_t* out = nullptr;                // [T*E, row_bytes] (device)
-  const uint32_t* sf_table = nullptr;    // own replicated sf table (nullptr: none)
-  bool sf_host = false;                  // sf_table lies in host memory (the workers gather it)
+  const uint32_t* sf_table = nullptr;    // own replicated sf table (nullptr: none), read by a small GPU gather
   int64_t P = 0;
   int32_t sf_layout = 0;
   uint32_t* sf_out = nullptr;            // (device)
