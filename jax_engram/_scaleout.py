@@ -33,145 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Optional
+import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["HierContext"]
+from jax_engram import _ep_autodiff, _ep_flat
+from jax_engram._ep_args import CombineArgs, DispatchArgs, combine_args, dispatch_args, routing_errors
+from jax_engram._ep_types import HANDLE_FIELDS, CombineResult, DispatchResult, EPHandle, expand_rows
 
+__all__ = ["HierEPHandle", "dispatch", "combine", "engram_buckets"]
 
-# ------------------------------------------------------------------------------------------------ context
-class HierContext:
-    """A jax_engram context over a tuple of mesh axes ``(node axes..., local axis)``. Create with
-    ``jax_engram.init(mesh, ("node", "gpu"))``. Ops run inside ``jax.shard_map`` over all of these axes
-    (``P(("node", "gpu"))``); the signatures of every op are those of the flat path."""
-
-    hierarchical = True
-
-    def __init__(self, mesh, axes: tuple, *, device_bytes, host_bytes, timeout_s: float, cuda_graphs: bool = False,
-                 ep_config=None):
-        from jax_engram.context import Context
-
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        axes = tuple(axes)
-        if len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
-            raise ValueError(f"jax_engram.init: the EP group {axes!r} must be distinct mesh axis names")
-        for a in axes:
-            if a not in mesh.axis_names:
-                raise ValueError(f"jax_engram.init: axis {a!r} of the EP group {axes!r} is not an axis of the mesh "
-                                 f"{mesh.axis_names}")
-        self.mesh = mesh
-        self.axis_name = axes
-        self.node_axes = axes[:-1]
-        self.local_axis = axes[-1]
-        self.num_nodes = int(math.prod(mesh.shape[a] for a in self.node_axes))
-        self.local_size = int(mesh.shape[self.local_axis])
-        self.num_ranks = self.num_nodes * self.local_size
-        self.inner = Context(mesh, self.local_axis, device_bytes=device_bytes, host_bytes=host_bytes,
-                             timeout_s=timeout_s, cuda_graphs=cuda_graphs, ep_config=ep_config)
-        self.ep_config = self.inner.ep_config  # the intra-node dispatches' tuning
-        self.platform = self.inner.platform
-        self.timeout_s = self.inner.timeout_s
-        self.cuda_graphs = self.inner.cuda_graphs
-        self.id = self.inner.id
-        self.device_bytes, self.host_bytes = self.inner.device_bytes, self.inner.host_bytes
-        from jax_engram import _scaleout_gin
-
-        self._inter_node_path, self._gin_reason = _scaleout_gin.probe(self)
-
-    # The node axis as jax.lax collectives take it (a name or a tuple of names).
-    @property
-    def node_axis(self):
-        return self.node_axes[0] if len(self.node_axes) == 1 else self.node_axes
-
-    @property
-    def inter_node_path(self) -> str:
-        """How Engram rows cross nodes: "gin" or "xla all_to_all" (static capacity, same-rail); see
-        :mod:`jax_engram._scaleout_gin`."""
-        return self._inter_node_path
-
-    def _check_open(self) -> None:
-        self.inner._check_open()
-
-    @property
-    def _closed(self) -> bool:
-        return self.inner._closed
-
-    def check(self) -> None:
-        self.inner.check()
-
-    def errors(self) -> list[dict]:
-        return self.inner.errors()
-
-    def graph_captures(self) -> dict:
-        return self.inner.graph_captures()
-
-    def dispatch_path(self, **kw) -> str:
-        """How the intra-node leg of ``dispatch`` moves rows (see ``Context.dispatch_path``)."""
-        return self.inner.dispatch_path(**kw)
-
-    def region(self, *a, **k):
-        raise NotImplementedError("jax_engram: a hierarchical (node, local) context has no symmetric memory of its "
-                                  "own; Engram tables and EP buffers live in its per-node inner context "
-                                  "(ctx.inner); barrier / ring_exchange need a flat context")
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __enter__(self) -> "HierContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return (f"HierContext(axes={self.axis_name!r}, nodes={self.num_nodes}, ranks_per_node={self.local_size}, "
-                f"ranks={self.num_ranks}, platform={self.platform}, inner={self.inner!r})")
-
-    def info(self) -> dict:
-        d = dict(self.inner.info())
-        d.update({"axis": self.axis_name, "num_ranks": self.num_ranks, "hierarchical": True,
-                  "nodes": self.num_nodes, "ranks_per_node": self.local_size, "node_axes": self.node_axes,
-                  "local_axis": self.local_axis, "inter_node_path": self.inter_node_path,
-                  "intra_node_path": "jax_engram windows (shared memory)" if self.platform == "cpu"
-                  else "jax_engram windows (NVLink)",
-                  "gin": "in use" if self._inter_node_path == "gin" else f"not used: {self._gin_reason}",
-                  "inner": {"id": self.inner.id, "groups": len(self.inner._groups)}})
-        return d
-
-    # ------------------------------------------------------------------------------------- in shard_map
-    def node_index(self):
-        return jax.lax.axis_index(self.node_axis).astype(jnp.int32)
-
-    def local_index(self):
-        return jax.lax.axis_index(self.local_axis).astype(jnp.int32)
-
-    def varying(self, x):
-        """x marked as varying along every axis of the group (collectives over the node axes need it)."""
-        x = jnp.asarray(x)
-        t = jax.typeof(x)
-        vma = t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma
-        missing = tuple(a for a in self.axis_name if a not in vma)
-        if missing:
-            x = jax.lax.pcast(x, missing, to="varying")
-        return x
-
-    def node_all_to_all(self, x):
-        """x [num_nodes, ...]: block b goes to the same-rail rank of node b; returns [num_nodes, ...] with block a
-        from node a. Payloads travel as unsigned integers of their width (bit-exact for every dtype)."""
-        x = self.varying(x)
-        if self.num_nodes == 1:
-            return x
-        dt = x.dtype
-        u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dt).itemsize]
-        xu = jax.lax.bitcast_convert_type(x, u) if dt != u else x
-        yu = jax.lax.all_to_all(xu, self.node_axis, 0, 0, tiled=True)
-        return jax.lax.bitcast_convert_type(yu, dt) if dt != u else yu
-
+_HIER_HANDLE_FIELDS = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
 
 # ------------------------------------------------------------------------------------------------- Engram
 def _engram_table_class():
@@ -429,48 +304,55 @@ def _checked(ctx, ids, total, after):
 
 
 # ---------------------------------------------------------------------------------------------------- EP
-def _ep():
-    from jax_engram import ep
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[*HANDLE_FIELDS, *_HIER_HANDLE_FIELDS],
+                   meta_fields=["config"])
+@dataclasses.dataclass(frozen=True, repr=False)
+class HierEPHandle(EPHandle):
+    """The EPHandle of a dispatch over a :class:`~jax_engram.context.HierContext`. The flat fields hold the
+    flat-path values over the global ranks (``dst_row`` included); ``inner`` is the intra-node dispatch's handle
+    and the other extra arrays map rows between the intra-node layout and the flat one."""
 
-    return ep
+    inner: Any = None
+    tok_src: Any = None
+    row_src: Any = None
+    inner_tok_flat: Any = None
+    inner_row_flat: Any = None
 
-
-@functools.lru_cache(maxsize=None)
-def _handle_class():
-    ep = _ep()
-    base_fields = ep._HANDLE_FIELDS
-    extra = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
-
-    @functools.partial(jax.tree_util.register_dataclass, data_fields=[*base_fields, *extra], meta_fields=["config"])
-    @dataclasses.dataclass(frozen=True, repr=False)
-    class HierEPHandle(ep.EPHandle):
-        """The EPHandle of a dispatch over a :class:`HierContext`. The flat fields hold the flat-path values
-        over the global ranks (``dst_row`` included); ``inner`` is the intra-node dispatch's handle and the
-        other extra arrays map rows between the intra-node layout and the flat one."""
-
-        inner: Any = None
-        tok_src: Any = None
-        row_src: Any = None
-        inner_tok_flat: Any = None
-        inner_row_flat: Any = None
-
-        hierarchical = True
-        EXTRA = extra
-
-        @classmethod
-        def build(cls, config, **arrays):
-            """A handle from the arrays it has (the flat fields it does not have are None)."""
-            return cls(config=config, **{f: arrays.get(f) for f in (*base_fields, *extra)})
-
-    return HierEPHandle
+    @classmethod
+    def build(cls, config, **arrays):
+        """A handle from the arrays it has (the flat fields it does not have are None)."""
+        return cls(config=config, **{f: arrays.get(f) for f in (*HANDLE_FIELDS, *_HIER_HANDLE_FIELDS)})
 
 
-def _geometry(cfg):
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The shape of a hierarchical dispatch. Every forwarded token is split on the forwarding rank into
+    ``copies_per_token`` intra-node tokens (one per destination rank of its node), so the intra-node dispatch
+    sees at most ``inner_max_tokens = num_nodes * num_tokens * copies_per_token`` tokens per rank."""
+
+    num_nodes: int
+    num_scaleup_ranks: int  # ranks per node (the local axis)
+    num_ranks: int
+    topk: int
+    num_tokens: int
+    max_tokens_per_rank: int
+    copies_per_token: int  # min(topk, num_scaleup_ranks)
+    num_local_experts: int
+    inner_max_tokens: int
+
+    @property
+    def inner_num_experts(self) -> int:
+        """The experts of one node (the intra-node dispatch's num_experts)."""
+        return self.num_scaleup_ranks * self.num_local_experts
+
+
+def _geometry(cfg) -> Geometry:
     ctx = cfg.ctx
-    Nn, L, R = ctx.num_nodes, ctx.local_size, ctx.num_ranks
-    K, N, M = cfg.topk, cfg.num_tokens, cfg.max_tokens_per_rank
-    S = min(K, L)
-    return Nn, L, R, K, N, M, S, cfg.num_local_experts, Nn * N * S
+    copies = min(cfg.topk, ctx.local_size)
+    return Geometry(num_nodes=ctx.num_nodes, num_scaleup_ranks=ctx.local_size, num_ranks=ctx.num_ranks,
+                    topk=cfg.topk, num_tokens=cfg.num_tokens, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                    copies_per_token=copies, num_local_experts=cfg.num_local_experts,
+                    inner_max_tokens=ctx.num_nodes * cfg.num_tokens * copies)
 
 
 def _routing(cfg, topk):
@@ -498,29 +380,30 @@ def _slots(valid, onode, oloc, node, L, S):
     return li, slot_k, rank_of_slot
 
 
-def _forward(ctx, a, Nn):
-    """[N, ...] -> [Nn, N, ...]: this rank's tokens to the same-rail rank of every node (static capacity N per
-    node) ; returns, per source node a, the tokens of (a, my local index)."""
-    return ctx.node_all_to_all(jnp.broadcast_to(a[None], (Nn,) + a.shape))
+def _forward(ctx, a):
+    """[N, ...] -> [num_nodes, N, ...]: this rank's tokens to the same-rail rank of every node (static capacity N
+    per node); returns, per source node a, the tokens of (a, my local index)."""
+    return ctx.node_all_to_all(jnp.broadcast_to(a[None], (ctx.num_nodes,) + a.shape))
 
 
 def _inner_tokens(cfg, fwd_topk):
     """On the forwarding rank: the intra-node routing of the forwarded tokens [Nn, N, K] (global expert ids),
     split into one intra-node token per destination rank of this node: [Nn*N*S, K] node-local expert ids."""
     ctx = cfg.ctx
-    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
-    b = ctx.node_index()
+    g = _geometry(cfg)
+    K, S, node_experts = g.topk, g.copies_per_token, g.inner_num_experts
+    node = ctx.node_index()
     valid, orank, onode, oloc = _routing(cfg, fwd_topk)
-    li, _, rank_of_slot = _slots(valid, onode, oloc, b, L, S)                 # [Nn,N,K], [Nn,N,S]
+    li, _, rank_of_slot = _slots(valid, onode, oloc, node, g.num_scaleup_ranks, S)   # [Nn,N,K], [Nn,N,S]
     mine = (li[..., None, :] == rank_of_slot[..., :, None]) & (rank_of_slot[..., :, None] >= 0)  # [Nn,N,S,K]
-    itopk = jnp.where(mine, (fwd_topk - b * (L * E_loc))[..., None, :], -1)
+    itopk = jnp.where(mine, (fwd_topk - node * node_experts)[..., None, :], -1)
     # Routing the flat op refuses (an id >= num_experts, a duplicate expert) must fail on every node: such a
     # token carries an invalid node-local id to every node's intra-node dispatch.
     srt = jnp.sort(jnp.where(fwd_topk >= 0, fwd_topk, -1 - jnp.arange(K, dtype=jnp.int32)), axis=-1)
     bad = jnp.any(fwd_topk >= cfg.num_experts, axis=-1) | jnp.any(srt[..., 1:] == srt[..., :-1], axis=-1)
     first = (jnp.arange(S)[:, None] == 0) & (jnp.arange(K)[None, :] == 0)
-    itopk = jnp.where(bad[..., None, None], jnp.where(first, L * E_loc, -1), itopk)
-    return itopk.reshape(Nn * N * S, K).astype(jnp.int32)
+    itopk = jnp.where(bad[..., None, None], jnp.where(first, node_experts, -1), itopk)
+    return itopk.reshape(g.inner_max_tokens, K).astype(jnp.int32)
 
 
 def _split(a, S):
@@ -531,8 +414,11 @@ def _split(a, S):
 def _maps(cfg, inner):
     """Row maps between the intra-node receive layout (rows ordered by forwarding rank, source node, token) and
     the flat one (source rank, token), from the inner handle; plus the flat handle fields."""
-    ctx = cfg.ctx
-    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
+    g = _geometry(cfg)
+    # L ranks per node, R ranks, K top-k, N tokens, M = max_tokens_per_rank, S copies per token, E_loc local
+    # experts, Mi the intra-node dispatch's max_tokens_per_rank
+    L, R, K, N, M = g.num_scaleup_ranks, g.num_ranks, g.topk, g.num_tokens, g.max_tokens_per_rank
+    S, E_loc, Mi = g.copies_per_token, g.num_local_experts, g.inner_max_tokens
     i32 = jnp.int32
     meta = inner.recv_src_metadata                                          # [L*Mi, K+2]
     RT = meta.shape[0]
@@ -553,7 +439,7 @@ def _maps(cfg, inner):
     flat_meta_k = mk[:, 2:]
     row_src = inner_row_flat = None
     if cfg.expand:
-        rows_f, rows_i = cfg.rows, _ep().expand_rows(L, Mi, K, E_loc, cfg.expert_alignment)
+        rows_f, rows_i = cfg.rows, expand_rows(L, Mi, K, E_loc, cfg.expert_alignment)
         starts = inner.psum_num_recv_tokens_per_expert - inner.num_unaligned_recv_tokens_per_expert
         unal = inner.num_unaligned_recv_tokens_per_expert
         q = meta[:, 2:]
@@ -598,79 +484,85 @@ def _flat_rows(cfg, h, a, token_layout: bool):
     return a[idx]
 
 
-def _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
-    ep = _ep()
+def _inner_args(cfg, g: Geometry, zero_padding, x, topk_idx, w, sf, handle, token) -> DispatchArgs:
+    """The intra-node dispatch of the forwarded (split) tokens, over the node's inner context."""
+    return dispatch_args(x, topk_idx, w, ctx=cfg.ctx.inner, num_experts=g.inner_num_experts,
+                         max_tokens_per_rank=g.inner_max_tokens, expand=cfg.expand,
+                         expert_alignment=cfg.expert_alignment, zero_padding=zero_padding, x_scales=sf, handle=handle,
+                         num_sms=cfg.num_sms or None, token=token, validate_routing=False, config=cfg.ep)
+
+
+def _forward_split(ctx, g: Geometry, a):
+    """This rank's rows to every node, one copy per intra-node token: [N, ...] -> [Nn*N*S, ...] (None stays)."""
+    return None if a is None else _split(_forward(ctx, a), g.copies_per_token)
+
+
+# --------------------------------------------------------------------- the path (see jax_engram._ep_autodiff)
+def dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
+    """(recv_x, recv_sf, recv_w, handle) of a hierarchical dispatch."""
     ctx = cfg.ctx
-    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
-    fx, ftopk = _forward(ctx, x, Nn), _forward(ctx, topk, Nn)
-    itopk = _inner_tokens(cfg, ftopk)
-    iw = None if w is None else _split(_forward(ctx, w, Nn), S)
-    isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
-    res = ep.dispatch(_split(fx, S), itopk, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
-                      expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
-                      x_scales=isf, num_sms=cfg.num_sms or None, token=token, config=cfg.ep)
+    g = _geometry(cfg)
+    forwarded_topk = _forward(ctx, topk)
+    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x),
+                                        _inner_tokens(cfg, forwarded_topk), _forward_split(ctx, g, w),
+                                        _forward_split(ctx, g, sf), None, token))
     inner = res.handle
     maps = _maps(cfg, inner)
-    Hc = _handle_class()
-    h = Hc.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
-           psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
-           num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
-           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
-           recv_topk_idx=None if cfg.expand else res.recv_topk_idx[maps["tok_src"]], **maps)
+    h = HierEPHandle.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
+                           psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
+                           num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
+                           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
+                           recv_topk_idx=None if cfg.expand else res.recv_topk_idx[maps["tok_src"]], **maps)
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
     recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
     return recv_x, recv_sf, recv_w, h
 
 
-def _cached_impl(cfg, zero_padding, x, w, sf, h, token):
-    ep = _ep()
+def cached_impl(cfg, zero_padding, x, w, sf, h, token):
+    """(recv_x, recv_sf, recv_w, token) of a hierarchical cached dispatch through the handle h."""
     ctx = cfg.ctx
-    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
-    ix = _split(_forward(ctx, x, Nn), S)
-    iw = None if w is None else _split(_forward(ctx, w, Nn), S)
-    isf = None if sf is None else _split(_forward(ctx, sf, Nn), S)
-    res = ep.dispatch(ix, None, iw, ctx=ctx.inner, num_experts=L * E_loc, max_tokens_per_rank=Mi,
-                      expand=cfg.expand, expert_alignment=cfg.expert_alignment, zero_padding=zero_padding,
-                      x_scales=isf, handle=h.inner, num_sms=cfg.num_sms or None, token=token, config=cfg.ep)
+    g = _geometry(cfg)
+    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x), None,
+                                        _forward_split(ctx, g, w), _forward_split(ctx, g, sf), h.inner, token))
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
     recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
     return recv_x, recv_sf, recv_w, res.token
 
 
-def _combine_impl(cfg, y, w, biases, h, token):
+def combine_impl(cfg, y, w, biases, h, token):
     """Exact hierarchical combine: intra-node combine of one-rank tokens (no sums across ranks), one row per
     (token, destination rank) back to the source node, then the flat fold (fp32, bias first, ascending master
     top-k position)."""
-    ep = _ep()
     ctx = cfg.ctx
-    Nn, L, R, K, N, M, S, E_loc, Mi = _geometry(cfg)
-    imap = h.inner_row_flat if cfg.expand else h.inner_tok_flat
-    yi = y[jnp.minimum(imap, y.shape[0] - 1)]
-    wi = None if w is None else w[jnp.minimum(imap, w.shape[0] - 1)]
-    r = ep.combine(yi, h.inner, topk_weights=wi, token=token)
+    g = _geometry(cfg)
+    num_nodes, topk, num_tokens, copies = g.num_nodes, g.topk, g.num_tokens, g.copies_per_token
+    inner_rows = h.inner_row_flat if cfg.expand else h.inner_tok_flat
+    inner_y = y[jnp.minimum(inner_rows, y.shape[0] - 1)]
+    inner_w = None if w is None else w[jnp.minimum(inner_rows, w.shape[0] - 1)]
+    r = _ep_flat.combine(combine_args(inner_y, h.inner, topk_weights=inner_w, bias=None, token=token))
     cx, cw, t = r.combined_x, r.combined_topk_weights, r.token
-    back = ctx.node_all_to_all(cx.reshape(Nn, N, S, -1))                     # [Nn (dest node), N, S, H]
-    topk = h.topk_idx
-    valid, orank, onode, oloc = _routing(cfg, topk)
+    back = ctx.node_all_to_all(cx.reshape(num_nodes, num_tokens, copies, -1))  # [Nn (dest node), N, S, H]
+    topk_idx = h.topk_idx
+    valid, orank, onode, oloc = _routing(cfg, topk_idx)
     # slot of entry k's rank within its node (the forwarding rank numbered them the same way)
-    slot_k = jnp.zeros(topk.shape, jnp.int32)
-    for n in range(Nn):
-        _, sk, _ = _slots(valid, onode, oloc, n, L, S)
+    slot_k = jnp.zeros(topk_idx.shape, jnp.int32)
+    for n in range(num_nodes):
+        _, sk, _ = _slots(valid, onode, oloc, n, g.num_scaleup_ranks, copies)
         slot_k = jnp.where(onode == n, sk, slot_k)
     later_same = (orank[:, :, None] == orank[:, None, :]) & valid[:, None, :] & \
-        (jnp.arange(K)[None, None, :] > jnp.arange(K)[None, :, None])
+        (jnp.arange(topk)[None, None, :] > jnp.arange(topk)[None, :, None])
     is_master = valid & ~jnp.any(later_same, axis=-1)                        # [N, K]
-    tidx = jnp.arange(N)[:, None]
+    tidx = jnp.arange(num_tokens)[:, None]
     rows = back[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0)]         # [N, K, H]
     f32 = jnp.float32
-    acc = jnp.full((N, y.shape[1]), -0.0, f32)
+    acc = jnp.full((num_tokens, y.shape[1]), -0.0, f32)
     for b in biases:
         acc = acc + b.astype(f32)
-    for k in range(K):
+    for k in range(topk):
         acc = acc + jnp.where(is_master[:, k, None], rows[:, k].astype(f32), jnp.array(-0.0, f32))
-    has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((N,), bool)
+    has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((num_tokens,), bool)
     out = jnp.where(has_term[:, None], acc, 0.0)
     if y.dtype == jnp.bfloat16:
         # An explicit rounding: XLA may drop a convert pair f32 -> bf16 -> f32 when the caller's f32 math on the
@@ -679,206 +571,43 @@ def _combine_impl(cfg, y, w, biases, h, token):
     out = out.astype(y.dtype)
     out_w = None
     if w is not None:
-        bw = ctx.node_all_to_all(cw.reshape(Nn, N, S, K))
-        kk = jnp.arange(K)[None, :]
+        bw = ctx.node_all_to_all(cw.reshape(num_nodes, num_tokens, copies, topk))
+        kk = jnp.arange(topk)[None, :]
         out_w = jnp.where(valid, bw[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0), kk], 0.0).astype(f32)
     return out, out_w, t
 
 
-# ----------------------------------------------------------------------------------------------- autodiff
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_p(cfg, zero_padding, x, w, sf, topk, token):
-    return _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token)
-
-
-def _dispatch_fwd(cfg, zero_padding, x, w, sf, topk, token):
-    out = _dispatch_impl(cfg, zero_padding, x, w, sf, topk, token)
-    return out, (out[3], x, w, token)
-
-
-def _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_tok):
-    """(dx, dw, token cotangent) of a (cached) dispatch: the combine of the received rows' cotangents through the
-    handle h (FP8 inputs get no dx)."""
-    ep = _ep()
-    g_x = ep._float_ct(g_x, jnp.zeros((cfg.rows, x.shape[1]), x.dtype))
-    y = g_x if ep._is(g_x.dtype, ep._COMBINE_DTYPES) else g_x.astype(jnp.float32)
-    gw = None
-    if w is not None:
-        gw = ep._float_ct(g_w, jnp.zeros((cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk), jnp.float32))
-    g_tok = ep._float_ct(g_tok, token)
-    dx, dw, t = _combine_impl(cfg, cfg.ctx.varying(y), None if gw is None else cfg.ctx.varying(gw), (), h,
-                              cfg.ctx.varying(g_tok.astype(jnp.float32)))
-    dx = None if ep._is(x.dtype, (jnp.float8_e4m3fn,)) else dx.astype(x.dtype)
-    return dx, dw, jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
-
-
-def _dispatch_bwd(cfg, zero_padding, saved, g):
-    h, x, w, token = saved
-    g_x, _, g_w, g_h = g
-    dx, dw, tok_ct = _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_h.token)
-    return dx, dw, None, None, tok_ct
-
-
-_dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cached_p(cfg, zero_padding, x, w, sf, h, token):
-    return _cached_impl(cfg, zero_padding, x, w, sf, h, token)
-
-
-def _cached_fwd(cfg, zero_padding, x, w, sf, h, token):
-    return _cached_impl(cfg, zero_padding, x, w, sf, h, token), (h, x, w, token)
-
-
-def _cached_bwd(cfg, zero_padding, saved, g):
-    h, x, w, token = saved
-    g_x, _, g_w, g_tok = g
-    dx, dw, tok_ct = _dispatch_grad(cfg, h, x, w, token, g_x, g_w, g_tok)
-    return dx, dw, None, jax.tree_util.tree_map(lambda _: None, h), tok_ct
-
-
-_cached_p.defvjp(_cached_fwd, _cached_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_p(cfg, y, w, biases, h, token):
-    return _combine_impl(cfg, y, w, biases, h, token)
-
-
-def _combine_fwd(cfg, y, w, biases, h, token):
-    return _combine_impl(cfg, y, w, biases, h, token), (y, w, biases, h, token)
-
-
-def _combine_bwd(cfg, saved, g):
-    ep = _ep()
-    y, w, biases, h, token = saved
-    g_x, g_w, g_tok = g
-    N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
-    ctx = cfg.ctx
-    g_x = ctx.varying(ep._float_ct(g_x, jnp.zeros((N, H), y.dtype)))
-    g_tok = ep._float_ct(g_tok, token)
-    gw = None if w is None else ctx.varying(ep._float_ct(g_w, jnp.zeros((N, K), jnp.float32)))
-    dy, _, dw, t = _cached_impl(cfg, cfg.expand, g_x, gw, None, h, ctx.varying(g_tok.astype(jnp.float32)))
-    valid = ep._valid_rows(cfg, h.psum_num_recv_tokens_per_rank[-1], h.psum_num_recv_tokens_per_expert,
-                           h.num_unaligned_recv_tokens_per_expert)
-    dy = jnp.where(valid[:, None], dy, jnp.zeros((), dy.dtype))
-    if w is not None:
-        dw = jnp.where(valid, dw, 0.0) if cfg.expand else jnp.where(valid[:, None] & (h.recv_topk_idx >= 0), dw, 0.0)
-    db = tuple(g_x.astype(b.dtype) for b in biases)
-    tok_ct = jax.lax.convert_element_type(t, token.dtype) + jnp.zeros_like(token)
-    return dy, dw, db, jax.tree_util.tree_map(lambda _: None, h), tok_ct
-
-
-_combine_p.defvjp(_combine_fwd, _combine_bwd)
-
-
 # ------------------------------------------------------------------------------------------- entry points
-def dispatch(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per_rank, expand, expert_alignment,
-             zero_padding, x_scales, handle, num_sms, token, config=None):
-    """``jax_engram.dispatch`` over a :class:`HierContext` (same arguments and results as the flat op)."""
-    from jax_engram import _call
-
-    ep = _ep()
-    _call.check_axis(ctx, "dispatch")
-    R = ctx.num_ranks
-    x = jnp.asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"jax_engram.dispatch: x must be [num_tokens, hidden], got shape {x.shape}")
-    N, H = x.shape
-    E = ep._check_int("num_experts", num_experts, 1)
-    M = ep._check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
-    A = ep._check_int("expert_alignment", expert_alignment, 1)
-    sms = 0 if num_sms is None else ep._check_int("num_sms", num_sms, 0)
-    expand, zero_padding = bool(expand), bool(zero_padding)
-    if E % R != 0:
-        raise ValueError(f"jax_engram.dispatch: num_experts={E} must be a multiple of the {R} ranks of the "
-                         f"group {ctx.axis_name!r}")
-    if N > M:
-        raise ValueError(f"jax_engram.dispatch: x has {N} tokens but max_tokens_per_rank={M}")
-    if zero_padding and not expand:
-        raise ValueError("jax_engram.dispatch: zero_padding requires expand=True")
-    if x_scales is not None:
-        x_scales = jnp.asarray(x_scales)
-        if x_scales.ndim != 2 or x_scales.shape[0] != N:
-            raise ValueError(f"jax_engram.dispatch: x_scales must be [N={N}, P], got shape {x_scales.shape}")
-    if handle is not None:
-        if not getattr(handle, "hierarchical", False):
-            raise TypeError("jax_engram.dispatch: handle must be the handle of a dispatch over this hierarchical "
-                            f"context, got {type(handle).__name__}")
-        c = handle.config
-        mism = [(n, a, b) for n, a, b in (("ctx", c.ctx, ctx), ("num_experts", c.num_experts, E),
-                                          ("max_tokens_per_rank", c.max_tokens_per_rank, M),
-                                          ("expand", c.expand, expand), ("expert_alignment", c.expert_alignment, A),
-                                          ("num_tokens", c.num_tokens, N)) if a is not b and a != b]
-        if mism:
-            raise ValueError("jax_engram.dispatch: the handle comes from a dispatch with a different "
-                             + ", ".join(f"{n} (handle {a!r}, here {b!r})" for n, a, b in mism))
-        cfg = dataclasses.replace(c, num_sms=sms, ep=c.ep if config is None else config)
-        K = c.topk
+def dispatch(args: DispatchArgs) -> DispatchResult:
+    """``jax_engram.dispatch`` over a :class:`~jax_engram.context.HierContext` (same arguments and results as the
+    flat op)."""
+    cfg = args.config
+    vary = cfg.ctx.varying
+    path = sys.modules[__name__]
+    x = vary(args.x)
+    w = None if args.topk_weights is None else vary(args.topk_weights)
+    sf = None if args.x_scales is None else vary(args.x_scales)
+    tok = vary(jnp.zeros((), jnp.float32) if args.token is None else args.token.astype(jnp.float32))
+    if not args.cached:
+        topk_idx = args.topk_idx
+        if args.validate_routing:  # the check over the whole group, then the dispatch
+            topk_idx = topk_idx + routing_errors(topk_idx, cfg.num_experts, cfg.ctx).astype(topk_idx.dtype)
+        recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf,
+                                                              vary(topk_idx.astype(jnp.int32)), tok)
     else:
-        if topk_idx is None:
-            raise ValueError("jax_engram.dispatch: topk_idx is required (or pass handle= to replay a layout)")
-        topk_idx = jnp.asarray(topk_idx)
-        if topk_idx.ndim != 2 or topk_idx.shape[0] != N:
-            raise ValueError(f"jax_engram.dispatch: topk_idx must be [N={N}, K], got shape {topk_idx.shape}")
-        K = topk_idx.shape[1]
-        if not 1 <= K <= ep.MAX_TOPK:
-            raise ValueError(f"jax_engram.dispatch: top-k = {K} must be in [1, {ep.MAX_TOPK}]")
-        cfg = ep._Config(ctx, R, E, M, N, K, expand, A, sms, ctx.ep_config if config is None else config)
-    if topk_weights is not None:
-        topk_weights = jnp.asarray(topk_weights)
-        if topk_weights.shape != (N, K) or topk_weights.dtype != jnp.float32:
-            raise ValueError(f"jax_engram.dispatch: topk_weights must be float32 [N, K] = {(N, K)}, got "
-                             f"{topk_weights.dtype}{list(topk_weights.shape)}")
-    v = ctx.varying
-    x = v(x)
-    w = None if topk_weights is None else v(topk_weights)
-    sf = None if x_scales is None else v(x_scales)
-    if token is None and handle is not None:
-        token = handle.token
-    tok = v(jnp.zeros((), jnp.float32) if token is None else jnp.asarray(token).astype(jnp.float32))
-    if handle is None:
-        topk = v(topk_idx.astype(jnp.int32))
-        recv_x, recv_sf, recv_w, h = _dispatch_p(cfg, zero_padding, x, w, sf, topk, tok)
-    else:
-        recv_x, recv_sf, recv_w, t = _cached_p(cfg, zero_padding, x, w, sf, handle, tok)
-        h = handle.replace(token=t, config=cfg)
-    return ep.DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
-                             h.group_sizes, h, h.token)
+        recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
+                                                                     args.handle, tok)
+        h = args.handle.replace(token=t, config=cfg)
+    return DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
+                          h.group_sizes, h, h.token)
 
 
-def combine(y, handle, *, topk_weights=None, bias=None, token=None, return_token: bool = False):
+def combine(args: CombineArgs) -> CombineResult:
     """``jax_engram.combine`` of a hierarchical dispatch (same arguments and results as the flat op)."""
-    from jax_engram import _call
-
-    ep = _ep()
-    cfg = handle.config
-    ctx = cfg.ctx
-    _call.check_axis(ctx, "combine")
-    y = jnp.asarray(y)
-    if y.ndim != 2 or y.shape[0] != cfg.rows:
-        raise ValueError(f"jax_engram.combine: y must be [{cfg.rows}, hidden] (the receive layout of the handle's "
-                         f"dispatch), got shape {y.shape}")
-    if not ep._is(y.dtype, ep._COMBINE_DTYPES):
-        raise TypeError(f"jax_engram.combine: y must be bfloat16 (or float32), got {y.dtype}")
-    N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
-    w = None
-    if topk_weights is not None:
-        w = jnp.asarray(topk_weights)
-        want = (cfg.rows,) if cfg.expand else (cfg.token_rows, K)
-        if w.shape != want or w.dtype != jnp.float32:
-            raise ValueError(f"jax_engram.combine: topk_weights must be float32 {list(want)}, got {w.dtype}"
-                             f"{list(w.shape)}")
-        w = ctx.varying(w)
-    biases = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
-    if len(biases) > 2:
-        raise ValueError(f"jax_engram.combine: at most two bias arrays, got {len(biases)}")
-    for i, b in enumerate(biases):
-        if jnp.shape(b) != (N, H) or jnp.asarray(b).dtype != y.dtype:
-            raise ValueError(f"jax_engram.combine: bias[{i}] must be [N, H] = {(N, H)} of y's dtype")
-    biases = tuple(ctx.varying(b) for b in biases)
-    tok = ctx.varying(jnp.asarray(handle.token if token is None else token).astype(jnp.float32))
-    cx, cw, t = _combine_p(cfg, ctx.varying(y), w, biases, handle, tok)
-    out = (cx, cw)
-    return out + (t,) if return_token else out
+    cfg = args.config
+    vary = cfg.ctx.varying
+    w = None if args.topk_weights is None else vary(args.topk_weights)
+    biases = tuple(vary(b) for b in args.biases)
+    tok = vary(args.token.astype(jnp.float32))
+    cx, cw, t = _ep_autodiff.combine_op(sys.modules[__name__], cfg, vary(args.y), w, biases, args.handle, tok)
+    return CombineResult(cx, cw, t)
