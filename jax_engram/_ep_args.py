@@ -4,14 +4,14 @@
 (:class:`~jax_engram._ep_types.DispatchConfig`) and the arrays, with dtypes and shapes checked. The checks and
 their messages are the same whatever the shape of the context's group (one mesh axis, or ("node", "gpu")
 axes): they speak of the user's arguments (global expert ids, ``num_experts``, the group's ranks), never of a
-path's inner numbers. The paths (:mod:`jax_engram._ep_flat`, :mod:`jax_engram._scaleout`) take these records
+path's inner numbers. The paths (:mod:`jax_engram._ep_flat`, :mod:`jax_engram._ep_hier`) take these records
 and check nothing again.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

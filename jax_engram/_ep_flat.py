@@ -1,6 +1,6 @@
 """The flat EP path: dispatch / combine over a one-axis context as custom calls of the native handlers, with
 their gradients (``jax.custom_vjp``). Takes the validated arguments of :mod:`jax_engram._ep_args`; the
-hierarchical path (:mod:`jax_engram._scaleout`) runs its intra-node legs through :func:`dispatch` /
+hierarchical path (:mod:`jax_engram._ep_hier`) runs its intra-node legs through :func:`dispatch` /
 :func:`combine` here. Semantics: :mod:`jax_engram.ep`."""
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from typing import Optional
 
 import jax
 
-from jax_engram import _ep_args, _ep_flat, _scaleout
+from jax_engram import _ep_args, _ep_flat, _ep_hier
 from jax_engram._ep_types import (MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, CombineResult, DispatchResult, EPHandle,
                                   combine_staging_bytes, dispatch_staging_bytes, expand_rows)
 from jax_engram.config import EPConfig, ep_config as _ep_config
@@ -58,7 +58,7 @@ def _path(ctx):
     hierarchical path for a ("node", "gpu") group, else the flat one. A path for other group shapes (e.g. one
     rank) is chosen here, by one more line."""
     if isinstance(ctx, HierContext):
-        return _scaleout
+        return _ep_hier
     return _ep_flat
 
 
