@@ -43,9 +43,9 @@ def _empty(shape, dtype, ctx):
 def _dispatch_plan(cfg: DispatchConfig, hidden: int, dtype) -> tuple[int, bool]:
     """(copy-engine pieces, graph target) of a dispatch-type call of this config, decided once at trace time: the
     pieces from the native policy (what ``ctx.dispatch_path`` reports; 0 = SM stores), passed to the handler as an
-    attribute. The graph targets (ep_layout.h) take the calls of a context with CUDA graphs that move
-    rows by SM stores (copy-engine rows need the handler on every call). The region key carries the lane, so a region
-    never serves both lanes."""
+    attribute. The graph targets (``*_graph``) take the calls of a context with CUDA graphs that move rows by SM
+    stores (copy-engine rows need the handler on every call). The region key says graph or not, so a region never
+    serves both kinds of call."""
     ctx = cfg.ctx
     pieces = ctx._copy_pieces(cfg.max_tokens_per_rank, hidden * np.dtype(dtype).itemsize, cfg.topk, cfg.num_experts,
                               cfg.ep)

@@ -40,7 +40,7 @@ def _version(v: int) -> str:
 
 
 def probe(ctx) -> tuple[str, str]:
-    """(inter-node path, reason) of a :class:`~jax_engram._scaleout.HierContext`. Collective over the processes
+    """(inter-node path, reason) of a :class:`~jax_engram.context.HierContext`. Collective over the processes
     of the context only past the single-node / CPU checks (which every process answers alike)."""
     if ctx.platform != "gpu":
         return XLA, "CPU context: GIN is a GPU network path"
