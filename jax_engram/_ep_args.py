@@ -72,6 +72,17 @@ class CombineArgs:
     token: Optional[jax.Array]
 
 
+def _check_token(token):
+    """The ordering token as given (None: none), which must be a scalar."""
+    if token is None:
+        return None
+    token = jnp.asarray(token)
+    if token.shape != ():
+        raise ValueError(f"token must be a scalar (the token returned by a previous jax_engram op), got shape "
+                         f"{token.shape}")
+    return token
+
+
 def _check_row_bytes(op: str, ctx, hidden: int, dtype, why: str) -> None:
     if ctx.platform != "cpu" and (hidden * np.dtype(dtype).itemsize) % 16 != 0:
         raise ValueError(f"jax_engram.{op}: hidden * itemsize = {hidden * np.dtype(dtype).itemsize} bytes must be a "
@@ -155,12 +166,8 @@ def dispatch_args(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per
             raise TypeError(f"jax_engram.dispatch: topk_weights must be float32, got {topk_weights.dtype}")
     if token is None and handle is not None:
         token = handle.token
-    if token is not None:
-        token = jnp.asarray(token)
-        if token.shape != ():
-            raise ValueError(f"token must be a scalar (the token returned by a previous jax_engram op), got "
-                             f"shape {token.shape}")
-    return DispatchArgs(cfg, zero_padding, x, topk_idx, topk_weights, x_scales, handle, token, bool(validate_routing))
+    return DispatchArgs(cfg, zero_padding, x, topk_idx, topk_weights, x_scales, handle, _check_token(token),
+                        bool(validate_routing))
 
 
 def combine_args(y, handle, *, topk_weights, bias, token) -> CombineArgs:
@@ -204,11 +211,8 @@ def combine_args(y, handle, *, topk_weights, bias, token) -> CombineArgs:
         if b.dtype != y.dtype:
             raise TypeError(f"jax_engram.combine: bias[{i}] must have y's dtype {y.dtype}, got {b.dtype}")
         checked.append(b)
-    token = handle.token if token is None else jnp.asarray(token)
-    if token.shape != ():
-        raise ValueError(f"token must be a scalar (the token returned by a previous jax_engram op), got shape "
-                         f"{token.shape}")
-    return CombineArgs(cfg, y, topk_weights, tuple(checked), handle, token)
+    return CombineArgs(cfg, y, topk_weights, tuple(checked), handle,
+                       _check_token(handle.token if token is None else token))
 
 
 # ------------------------------------------------------------------------------------- validate_routing=True

@@ -52,6 +52,9 @@ from jax_engram.context import AnyContext, HierContext
 __all__ = ["dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "dispatch_staging_bytes",
            "combine_staging_bytes", "expand_rows", "MAX_TOPK"]
 
+for _public in (EPHandle, DispatchResult, CombineResult):  # defined in _ep_types, documented here
+    _public.__module__ = __name__
+
 
 def _path(ctx):
     """The module whose ``dispatch(DispatchArgs)`` / ``combine(CombineArgs)`` run an op over ``ctx``: the
@@ -110,6 +113,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         expand=expand, expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
         handle=handle, num_sms=num_sms, token=token, validate_routing=validate_routing,
         config=None if config is None else _ep_config(config, "jax_engram.dispatch: config"))
+    # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
     return _path(ctx).dispatch(args)
 
 
@@ -140,6 +144,7 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
         warnings.warn("jax_engram.combine: `return_token` is deprecated; combine returns a CombineResult whose "
                       "`.token` orders later EP ops", DeprecationWarning, stacklevel=2)
     args = _ep_args.combine_args(y, handle, topk_weights=topk_weights, bias=bias, token=token)
+    # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
     res = _path(args.config.ctx).combine(args)
     if return_token:
         return (res.combined_x, res.combined_topk_weights, res.token)  # type: ignore[return-value]
