@@ -497,9 +497,7 @@ class Context:
         return freed
 
 
-
 # ----------------------------------------------------------------------------------- contexts of several axes
-# ------------------------------------------------------------------------------------------------ context
 class HierContext:
     """A jax_engram context over a tuple of mesh axes ``(node axes..., local axis)``. Create with
     ``jax_engram.init(mesh, ("node", "gpu"))``. Ops run inside ``jax.shard_map`` over all of these axes
