@@ -9,7 +9,8 @@ from jax_engram.layers import EngramHashing, engram_layer, moe_layer
 
 __version__ = "0.1.0"
 
-__all__ = ["AnyContext", "Context", "HierContext", "JaxEngramError", "Region", "init", "live_contexts", "barrier", "ring_exchange",
+__all__ = ["AnyContext", "Context", "HierContext", "JaxEngramError", "Region", "init", "live_contexts", "barrier",
+           "ring_exchange",
            "EngramTable", "EngramPending", "EngramConfig", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS",
            "dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "EPConfig",
            "moe_layer", "engram_layer", "EngramHashing", "__version__"]

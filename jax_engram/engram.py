@@ -196,11 +196,12 @@ class EngramTable:
       num_entries: rows per rank (every rank holds the same number).
       hidden: elements per row.
       dtype: bfloat16, float16, float32 or float8_e4m3fn.
-      ctx: a :class:`jax_engram.Context`, or a ("node", "gpu") context (:class:`jax_engram.context.HierContext`;
-        ids are global over all its ranks, rows cross nodes as ``inter_node_path`` says). Construction is
-        collective (every process constructs its tables in the same order) and takes memory from the context (``ctx.region``): from the init reservation
-        of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
-        ``EngramTable(ctx, num_entries, ...)`` (positional context) is deprecated.
+      ctx: a :class:`jax_engram.Context`, or a ("node", "gpu") context (:class:`jax_engram.HierContext`; ids
+        are global over all its ranks, rows cross nodes as ``inter_node_path`` says). Construction is
+        collective (every process constructs its tables in the same order) and takes memory from the context
+        (``ctx.region``): from the init reservation of that placement (``device_bytes`` / ``host_bytes``) if
+        one was given, else a segment of its own. ``EngramTable(ctx, num_entries, ...)`` (positional context)
+        is deprecated.
       placement: ``"host"`` (host-NUMA memory, read by the GPUs over PCIe/C2C) or ``"device"`` (HBM of the
         owner, read by peers over NVLink).
       num_sf_packs: P > 0 keeps a replicated scale-factor table ``[num_ranks*num_entries, P]`` of
