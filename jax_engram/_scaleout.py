@@ -9,8 +9,8 @@ forwarding: rank (node a, local j) exchanges only with (node b, local j)); every
 the flat ops of the inner context. Results are bit-identical to the flat path over the same global ranks.
 
 Engram (:class:`HierEngram`, the backend of an ``EngramTable`` over such a context): ids are bucketed by owner
-node; bucket b goes to the same-rail rank of node b (``all_to_all``, capacity T*E ids per node), which reads the rows from its node's windows (inner lookup,
-node-local ids) and sends them back the same way; the requester selects, per id, the row from its owner
+node; bucket b goes to the same-rail rank of node b (``all_to_all``, capacity T*E ids per node), which reads
+the rows from its node's windows (inner lookup, node-local ids) and sends them back the same way; the requester selects, per id, the row from its owner
 node. Every rank's inner table holds its node's slice of the replicated scale-factor table, so scale
 factors travel with the rows. The bucketing is :func:`engram_buckets`. Where NCCL reports GIN on every node
 (:mod:`jax_engram._scaleout_gin`; compiled against NCCL >= 2.30.4, never run on hardware here) the inter-node
