@@ -1,18 +1,20 @@
 """Hierarchical (node, local) groups, Engram: one jax_engram context spanning several NVLink domains / hosts.
 
 ``jax_engram.init(mesh, ("node", "gpu"))`` returns a :class:`~jax_engram.context.HierContext`. The EP group is
-the tuple of mesh axes; global EP rank = ``node_index * local_size + local_index`` (the order ``P(("node", "gpu"))`` lays out).
-It holds one flat :class:`~jax_engram.context.Context` over the last ("gpu") axis: one group per node, so a
-member maps the windows of its own node's ranks only. Everything that crosses nodes runs on XLA collectives
-over the node axes inside the caller's jitted program (``jax.lax.all_to_all`` with static capacity; same-rail
-forwarding: rank (node a, local j) exchanges only with (node b, local j)); everything inside a node runs on
-the flat ops of the inner context. Results are bit-identical to the flat path over the same global ranks.
+the tuple of mesh axes; global EP rank = ``node_index * local_size + local_index`` (the order
+``P(("node", "gpu"))`` lays out). It holds one flat :class:`~jax_engram.context.Context` over the last ("gpu")
+axis: one group per node, so a member maps the windows of its own node's ranks only. Everything that crosses
+nodes runs on XLA collectives over the node axes inside the caller's jitted program (``jax.lax.all_to_all``
+with static capacity; same-rail forwarding: rank (node a, local j) exchanges only with (node b, local j));
+everything inside a node runs on the flat ops of the inner context. Results are bit-identical to the flat path
+over the same global ranks.
 
 Engram (:class:`HierEngram`, the backend of an ``EngramTable`` over such a context): ids are bucketed by owner
 node; bucket b goes to the same-rail rank of node b (``all_to_all``, capacity T*E ids per node), which reads
-the rows from its node's windows (inner lookup, node-local ids) and sends them back the same way; the requester selects, per id, the row from its owner
-node. Every rank's inner table holds its node's slice of the replicated scale-factor table, so scale
-factors travel with the rows. The bucketing is :func:`engram_buckets`. Where NCCL reports GIN on every node
+the rows from its node's windows (inner lookup, node-local ids) and sends them back the same way; the
+requester selects, per id, the row from its owner node. Every rank's inner table holds its node's slice of the
+replicated scale-factor table, so scale factors travel with the rows. The bucketing is :func:`engram_buckets`.
+Where NCCL reports GIN on every node
 (:mod:`jax_engram._scaleout_gin`; compiled against NCCL >= 2.30.4, never run on hardware here) the inter-node
 leg is a GIN fetch instead: the inner lookup reads this node's bucket, and the ``jax_engram_engram_gin_fetch``
 custom call reads every other row from its owner's window (requests grouped as the buckets,
