@@ -849,3 +849,23 @@ def hlo_collectives(fn, *args, compiler_options: dict | None = None) -> dict:
     for op in _COLLECTIVES:
         out[op] = len(re.findall(rf"= [^=\n]*(?<![\w-]){op}(?:-start)?\(", text))
     return out
+
+
+
+def local_permute_dispatch(x, topk_idx, topk_weights, num_experts: int):
+    """The plain-JAX MoE permute of one device (no communication), the one-rank baseline's dispatch: the
+    flattened top-k ids sorted by expert (``argsort``, -1 last), x's rows gathered with ``take`` into [N*K, H]
+    expert-major rows. Returns (rows, their source token [N*K], their weight [N*K], 0 for -1 ids)."""
+    K = topk_idx.shape[1]
+    flat = jnp.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // K
+    w = jnp.where(flat[order] < num_experts, topk_weights.reshape(-1)[order], 0.0)
+    return jnp.take(x, tok, axis=0), tok, w
+
+
+def local_permute_combine(rows, tok, w, num_tokens: int):
+    """The one-rank baseline's combine: the weighted rows summed per source token (``segment_sum``, float32),
+    cast back to the rows' dtype: [num_tokens, H]."""
+    out = jax.ops.segment_sum(rows.astype(jnp.float32) * w[:, None], tok, num_segments=num_tokens)
+    return out.astype(rows.dtype)

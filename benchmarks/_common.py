@@ -30,6 +30,7 @@ import numpy as np
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 
 __all__ = [
     "time_fn", "time_loop", "time_per_call", "rotate", "rotations_for_cache", "Table", "print_table", "write_json",
@@ -384,6 +385,16 @@ def _clean(o):
     return o
 
 
+def close_quietly(ctx, shutdown: Callable[[], None]) -> None:
+    """End of a benchmark script: close its jax_engram context (an error there must not hide the benchmark's own
+    error or result), then ``shutdown`` (jax_engram.launch.shutdown)."""
+    try:
+        ctx.close()
+    except Exception:  # noqa: BLE001
+        pass
+    shutdown()
+
+
 def write_json(path: str, obj: Any) -> str:
     """Write ``obj`` as strict, indented JSON (numpy/jax values converted, NaN -> null)."""
     d = os.path.dirname(os.path.abspath(path))
@@ -394,3 +405,36 @@ def write_json(path: str, obj: Any) -> str:
         f.write(text + "\n")
     os.replace(tmp, path)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# large random tables
+# --------------------------------------------------------------------------------------------
+def _mix32(a):
+    a = a ^ (a >> 16)
+    a = a * jnp.uint32(0x7FEB352D)
+    a = a ^ (a >> 15)
+    a = a * jnp.uint32(0x846CA68B)
+    return a ^ (a >> 16)
+
+
+def hashed_rows_fn(rows: int, values: int, dtype, seed: int, sharding) -> Callable[[], jax.Array]:
+    """A jitted maker of ``[rows, values]`` pseudo-random finite values of ``dtype`` (bfloat16, float16, float32 or
+    float8_e4m3fn) with ``sharding``: one elementwise kernel of 32-bit words hashed from (row, column), exponents
+    masked so that no value is inf or NaN. Fills tens of GiB in about a second on a GPU, with no temporary of the
+    table's size (jax.random would make one), so benchmark tables of production size are cheap to fill."""
+    dt = np.dtype(dtype)
+    if (values * dt.itemsize) % 4:
+        raise ValueError(f"hashed_rows_fn: a row of {values} {dt.name} is not a whole number of 32-bit words")
+    words = values * dt.itemsize // 4
+    # clear the top exponent bit of every element: fp8 e4m3fn exponent < 15, bf16 < 128, f16 < 16, f32 < 128
+    mask = {1: 0xBFBFBFBF, 2: 0xBFFFBFFF, 4: 0xBFFFFFFF}[dt.itemsize]
+    narrow = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dt.itemsize]
+
+    def make():
+        r = lax.broadcasted_iota(jnp.uint32, (rows, words), 0)
+        c = lax.broadcasted_iota(jnp.uint32, (rows, words), 1)
+        w = _mix32(_mix32(r ^ jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) + c) & jnp.uint32(mask)
+        x = lax.bitcast_convert_type(w, narrow) if dt.itemsize < 4 else w
+        return lax.bitcast_convert_type(x.reshape(rows, values), dt)
+    return jax.jit(make, out_shardings=sharding)

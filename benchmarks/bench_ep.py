@@ -45,6 +45,8 @@ Runs:
   under the launcher:           python -m jax_engram.launch -n 2 --platform cuda benchmarks/bench_ep.py --out ep.json
                                 (ceiling and baseline checks need one process; they are skipped there)
   CPU smoke (tiny, 2 host devices, any machine):  python benchmarks/bench_ep.py --smoke
+  one rank (one device; ours, the native kernels forced and the plain-JAX permute per shape, beside the HBM floor:
+  one_rank_main):                  python benchmarks/bench_ep.py --one-rank --out ep_one_rank.json  (CPU: --smoke)
 """
 from __future__ import annotations
 
@@ -101,10 +103,16 @@ def _args(argv=None):
     ap.add_argument("--devices", type=int, default=0, help="ranks (0 = all devices)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; on a machine without GPUs: 2 CPU devices")
     ap.add_argument("--out", default="", help="write every result as JSON here")
+    ap.add_argument("--one-rank", action="store_true",
+                    help="the one-rank section instead (one device; see one_rank_main): our one-rank path, the native "
+                         "kernels forced, and the plain-JAX permute, per shape, beside the HBM floor")
     return ap.parse_args(argv)
 
 
 ARGS = _args()
+# The one-rank section: (tokens, hidden, top-k, experts) per shape; --smoke: tiny ones.
+ONE_RANK_SHAPES = ((4096, 2048, 4, 8), (128, 7168, 8, 256), (1024, 4096, 8, 64), (4096, 7168, 8, 256))
+ONE_RANK_SMOKE = ((32, 256, 4, 16),)
 if ARGS.smoke:
     ARGS.tokens, ARGS.hidden, ARGS.topk, ARGS.experts, ARGS.scales = "64,16", 256, 4, 16, 2
     ARGS.loop, ARGS.iters, ARGS.warmup, ARGS.baseline_iters = 3, 2, 1, 1
@@ -532,6 +540,115 @@ def main():
         emit_result(dict(ok=ok, runs=len(rows)))
     return 0 if ok else 1
 
+
+# --------------------------------------------------------------------------------------------- one rank
+def one_rank_main():
+    """One device, one rank: jitted dispatch + combine per call (one fori_loop step: combine(dispatch(x)) feeds the
+    next call's x) for our one-rank path (expand and non-expand), the native kernels forced on the same context
+    kind (``ctx._ep_local = False``), and the plain-JAX permute (_baselines.local_permute_dispatch / _combine: argsort
+    by expert, take, weighted segment_sum), all in the same run. Per call = the slope between loops of --loop and 3x --loop calls (_common.time_per_call).
+
+    HBM floor = the bytes a permute must move / the same run's device copy bandwidth (a jitted roll of a large
+    array: read + write). Bytes per call: dispatch reads the N token rows and writes the received rows (non-expand:
+    tokens with an expert; expand: routed (token, k) entries), combine reads those rows and writes N rows.
+    Correctness: our combined_x equals the native path's bit for bit (both layouts), printed per shape."""
+    dev = jax.devices()[:1]
+    mesh = jax.make_mesh((1,), (AX,), devices=dev)
+    platform = dev[0].platform
+    shapes = ONE_RANK_SMOKE if ARGS.smoke else ONE_RANK_SHAPES
+    n1, n2 = (ARGS.loop, 3 * ARGS.loop) if ARGS.smoke else (20, 60)
+    iters, warmup = (ARGS.iters, ARGS.warmup) if ARGS.smoke else (5, 1)
+    results = dict(env=C.env_info(), args=vars(ARGS), one_rank=[])
+    log(f"bench_ep --one-rank: 1 {platform} device ({results['env'].get('device_kind')}), jax {jax.__version__}")
+
+    # device copy bandwidth: roll (read + write every byte once) of a large bf16 array
+    nbytes = (1 << 22) if ARGS.smoke else (1 << 30)
+    big = jnp.zeros((nbytes // 2 // 4096, 4096), jnp.bfloat16)
+
+    def copy_loop(n):
+        return jax.jit(lambda a: lax.fori_loop(0, n, lambda i, b: jnp.roll(b, 1, axis=0), a))
+    tc = C.time_per_call(copy_loop, (big,), n1, n2, warmup=warmup, iters=iters)
+    bw = 2 * nbytes / (tc["median_us"] * 1e-6) / 1e9
+    del big
+    log(f"config: device copy bandwidth {bw:.0f} GB/s (roll of {nbytes >> 20} MiB, read + write)")
+    results["copy_gbps"] = bw
+
+    ctx = jax_engram.init(mesh, AX)
+    ctx_native = jax_engram.init(mesh, AX)
+    ctx_native._ep_local = False  # the native kernels at one rank (private switch of jax_engram._ep_local)
+    rows = []
+    for N, H, K, E in shapes:
+        x, tk, w = B.make_moe_inputs(mesh, N, H, K, E, jnp.bfloat16, seed=N + 7)
+        inputs = jax.block_until_ready((x, tk, w))
+        valid = np.asarray(tk) >= 0
+        tokens_with_expert, entries = int(valid.any(axis=1).sum()), int(valid.sum())
+        row_b = H * 2
+
+        # the receive rows pass an optimization barrier before the combine in every variant: each materializes
+        # its dispatch output, as it would with the expert GEMMs in between (XLA could otherwise fuse the gathers)
+        def ours(c, expand):
+            def step(x, tk, w):
+                r = jax_engram.dispatch(x, tk, w, ctx=c, num_experts=E, max_tokens_per_rank=N, expand=expand)
+                return jax_engram.combine(lax.optimization_barrier(r.recv_x), r.handle).combined_x
+            return step
+
+        def permute(x, tk, w):
+            rows, tok, wr = B.local_permute_dispatch(x, tk, w, E)
+            return B.local_permute_combine(lax.optimization_barrier(rows), tok, wr, N)
+
+        variants = [("ours expand", ours(ctx, True), True), ("ours non-expand", ours(ctx, False), False),
+                    ("native expand", ours(ctx_native, True), True),
+                    ("native non-expand", ours(ctx_native, False), False), ("plain-JAX permute", permute, True)]
+        one = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AX),) * 3, out_specs=P(AX)))  # noqa: E731
+        check = {}
+        for lname, (a, b) in dict(expand=(variants[0][1], variants[2][1]),
+                                  nonexpand=(variants[1][1], variants[3][1])).items():
+            got, want = one(a)(*inputs), one(b)(*inputs)
+            check[lname] = bool(np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)))
+        timed = {}
+        for name, f, expand in variants:
+            def make(n, f=f):
+                def loop(x, tk, w):
+                    return lax.fori_loop(0, n, lambda i, v: f(v, tk, w), x)
+                return one(loop)
+            t = C.time_per_call(make, inputs, n1, n2, warmup=warmup, iters=iters)
+            moved = 2 * row_b * (N + (entries if expand else tokens_with_expert))
+            floor_us = moved / (bw * 1e9) * 1e6
+            timed[name] = t["median_us"]
+            row = dict(tokens=N, hidden=H, topk=K, experts=E, variant=name, us=t["median_us"], bytes=moved,
+                       floor_us=floor_us, pct_floor=100.0 * floor_us / t["median_us"], timing=t)
+            rows.append(row)
+            results["one_rank"].append(row)
+        base = timed["plain-JAX permute"]
+        for row in rows[-len(variants):]:
+            row["vs_permute"] = base / row["us"]
+            log(f"config: tokens={N} hidden={H} topk={K} experts={E} | {row['variant']}: {row['us']:.1f} us per "
+                f"dispatch+combine, {row['pct_floor']:.0f}% of the HBM floor ({row['floor_us']:.1f} us for "
+                f"{row['bytes'] / 1e6:.1f} MB), {row['vs_permute']:.2f}x vs plain-JAX permute ({base:.1f} us)")
+        log(f"config: tokens={N} hidden={H} topk={K} experts={E} | combined_x ours == native bit for bit: {check}")
+        results.setdefault("checks", {})[f"{N}x{H} top{K} E{E}"] = check
+        del inputs, x, tk, w
+    ctx_native.close()
+    ctx.close()
+    t = C.Table([("tokens", "tok"), ("hidden", "hidden"), ("topk", "K"), ("experts", "E"), ("variant", "variant"),
+                 ("us", "us/call", ".1f"), ("floor_us", "floor us", ".1f"), ("pct_floor", "% floor", ".0f"),
+                 ("vs_permute", "x permute", ".2f")],
+                title=f"one rank: dispatch + combine per call, HBM floor at {bw:.0f} GB/s (same run)")
+    for row in rows:
+        t.add(row)
+    t.print()
+    ok = all(v for c in results["checks"].values() for v in c.values())
+    log(f"bench_ep --one-rank: ours == native {'in every shape' if ok else 'FAILED'}")
+    if ARGS.out:
+        C.write_json(ARGS.out, results)
+        log(f"bench_ep: wrote {ARGS.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__" and ARGS.one_rank:
+    rc = one_rank_main()
+    shutdown()
+    sys.exit(rc)
 
 if __name__ == "__main__":
     rc = main()

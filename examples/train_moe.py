@@ -1,11 +1,11 @@
 """Train a small Engram + MoE language model for a few steps (Flax NNX + optax, synthetic data).
 
 The model: token embedding -> ``jax_engram.nn.EngramMemory`` (hashed 2-/3-gram lookup in a table sharded over
-the expert-parallel ranks, gated into the hidden state) -> residual ``jax_engram.nn.MoE`` (experts sharded over
-the same ranks) -> RMS norm -> output projection. The data: sequences where every next token is a fixed
-function of the two before it (a rule of the vocabulary, plus a little noise), so the loss can only fall
-if the layers learn; the table's rows (one per hashed bigram) are random and fixed, the gate's projections
-learn to read them.
+the expert-parallel ranks, prefetched at the start of the step, gated into the hidden state) -> residual
+``jax_engram.nn.MoE`` (experts sharded over the same ranks) -> RMS norm -> output projection. The data:
+sequences where every next token is a fixed function of the two before it (a rule of the vocabulary, plus a
+little noise), so the loss can only fall if the layers learn; the table's rows (one per hashed bigram) are
+random and fixed, the gate's projections learn to read them.
 
 Run: ``python examples/train_moe.py [--devices 4] [--steps 30]`` (CPU devices by default). Prints the loss
 curve and exits non-zero unless the loss decreased (the last steps' mean at most ``--max-ratio`` of the
@@ -53,8 +53,11 @@ def build_model(ctx, *, vocab: int, hidden: int, ffn: int, experts_per_rank: int
             self.head = nnx.Linear(hidden, vocab, rngs=rngs)
 
         def __call__(self, token_ids: jax.Array) -> jax.Array:  # [B, S] -> logits [B, S, vocab]
+            # The Engram ids need only the tokens: start the lookups first, wait for them at the layer (after
+            # the embedding, which runs while the rows are read).
+            pending = self.memory.prefetch(token_ids)
             x = self.embed(token_ids)
-            h = self.memory(x, token_ids)
+            h = self.memory(x, pending=pending)
             h = h + self.moe(h)
             return self.head(self.norm(h)).astype(jnp.float32)
 

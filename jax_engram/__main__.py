@@ -3,7 +3,8 @@
 An Engram-augmented MoE block, forward and backward, over an expert-parallel (EP) group of every device:
 
 1. Engram: per token, hashed 2- and 3-gram ids (several hash heads per order) are looked up in one table
-   sharded over the EP group (``placement="host"`` by default); the rows, concatenated, are gated into the
+   sharded over the EP group (``placement="host"`` by default), prefetched at the start of the step and waited
+   for at the layer (``engram_prefetch``, ``pending=``); the rows, concatenated, are gated into the
    hidden state (``h = x + sigmoid(<rms(x), rms(m W_k)> / sqrt(H)) * m W_v``).
 2. MoE on h: router top-k, expand dispatch, expert GEMMs with ``jax.lax.ragged_dot``, combine; the block
    returns ``h + moe(h)``.
@@ -172,12 +173,13 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
         x, ids, ct = put(x_h, P(ax)), put(ids_h, P(ax)), put(ct_h, P(ax))
         layer_kw = dict(top_k=a.top_k, expert_alignment=a.expert_alignment)
 
-        def block(p, x, ids):
-            h = je.engram_layer(p["engram"], x, ids, table=table, hashing=hashing)
+        def block(p, x, pending):
+            h = je.engram_layer(p["engram"], x, table=table, hashing=hashing, pending=pending)  # waits after x
             return h + je.moe_layer(p["moe"], h, ctx=ctx, **layer_kw)
 
         def step(p, x, ids, ct):
-            out, vjp = jax.vjp(lambda p, x: block(p, x, ids), p, x)
+            pending = je.engram_prefetch(table, ids, hashing=hashing)  # at step start: the ids need only the tokens
+            out, vjp = jax.vjp(lambda p, x: block(p, x, pending), p, x)
             return out, vjp(ct)
 
         # --------------------------------------------------------------------------------- check
@@ -216,7 +218,8 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
 
         def prefix(upto: str):
             def body(p, x, ids):
-                h = L.engram_local(p["engram"], x, ids, table=table, hashing=hashing)
+                pending = L.engram_prefetch(table, ids, hashing=hashing)
+                h = L.engram_local(p["engram"], x, table=table, hashing=hashing, pending=pending)
                 if upto == "engram_lookup":
                     return h
                 hf = h.reshape(-1, H)
@@ -236,7 +239,7 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
 
         programs = [(s, prefix(s), (params, x, ids)) for s in ("engram_lookup", "dispatch", "expert_gemms",
                                                              "combine")]
-        programs.append(("backward", step, (params, x, ids, ct)))  # je.engram_layer + je.moe_layer, fwd + bwd
+        programs.append(("backward", step, (params, x, ids, ct)))  # prefetch, je.engram_layer + je.moe_layer, fwd + bwd
         compile_s, compiled = {}, {}
         for name, fn, args in programs:
             prog.step(f"compiling {name}", 0)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call, _ep_autodiff
+from jax_engram import _call, _ep_autodiff, _ep_local
 from jax_engram._ep_args import CombineArgs, DispatchArgs, routing_errors
 from jax_engram._ep_types import (CombineResult, DispatchConfig, DispatchResult, EPHandle, combine_staging_bytes,
                                   dispatch_staging_bytes)
@@ -186,6 +186,9 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
         if args.validate_routing:
             tok = tok + routing_errors(topk_idx, cfg.num_experts, ctx)
         topk_idx = _vary(topk_idx.astype(jnp.int32), ctx)
+    if _ep_local.applies(ctx):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
+        return _dispatch_local(args, x, w, sf, topk_idx if not args.cached else None, tok)
+    if not args.cached:
         recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf, topk_idx, tok)
     else:
         recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
@@ -202,5 +205,38 @@ def combine(args: CombineArgs) -> CombineResult:
     w = _vary_like(_vary(args.topk_weights, ctx), y) if args.topk_weights is not None else None
     biases = tuple(_vary_like(_vary(b, ctx), y) for b in args.biases)
     tok = _vary_like(_ffi_token(args.token, ctx), y)
+    if _ep_local.applies(ctx):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
+        h = args.handle
+        handle_arrays = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
+                         h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,
+                         h.recv_topk_idx if h.recv_topk_idx is not None else _empty((0, cfg.topk), jnp.int32, ctx))
+        w_in = w if w is not None else _vary_like(_empty((0,), jnp.float32, ctx), y)
+        cx, cw, t = _ep_local.combine_p(cfg, y, w_in, biases, handle_arrays, tok)
+        return CombineResult(cx, cw if w is not None else None, t)
     cx, cw, t = _ep_autodiff.combine_op(sys.modules[__name__], cfg, y, w, biases, args.handle, tok)
     return CombineResult(cx, cw, t)
+
+
+def _dispatch_local(args: DispatchArgs, x, w, sf, topk_idx, tok) -> DispatchResult:
+    """A (cached) dispatch of a one-rank context through _ep_local (operands and outputs as the native handlers':
+    absent weights / scales are [N, 0] arrays; a fresh dispatch returns every handle array)."""
+    cfg = args.config
+    ctx = cfg.ctx
+    num_tokens = x.shape[0]
+    w_in = w if w is not None else _vary_like(_empty((num_tokens, 0), jnp.float32, ctx), x)
+    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, ctx)
+    if not args.cached:
+        (recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, group_sizes,
+         t) = _ep_local.dispatch_p(cfg, args.zero_padding, False, x, w_in, sf_in, (topk_idx,), tok)
+        h = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
+                     num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
+                     topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=group_sizes,
+                     recv_topk_idx=None if cfg.expand else recv_topk, token=t, config=cfg)
+    else:
+        h = args.handle
+        routing = (h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
+                   h.num_unaligned_recv_tokens_per_expert, h.dst_row, h.topk_idx)
+        recv_x, recv_sf, recv_w, t = _ep_local.dispatch_p(cfg, args.zero_padding, True, x, w_in, sf_in, routing, tok)
+        h = h.replace(token=t, config=cfg)
+    return DispatchResult(recv_x, recv_sf if sf is not None else None, h.recv_topk_idx,
+                          recv_w if w is not None else None, h.num_recv_tokens, h.group_sizes, h, t)

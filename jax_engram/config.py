@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 import numpy as np
 
-__all__ = ["EngramConfig", "EngramGather", "EngramLoads", "EPConfig"]
+__all__ = ["EngramConfig", "EngramGather", "EngramHostGather", "EngramLoads", "EPConfig"]
 
 
 # ============================================================================================== Engram
@@ -24,17 +24,24 @@ EngramGather = Literal["tma", "sm", "sm_few"]
 #: "volatile" (relaxed.sys, never a stale cached line) for host memory; or one of them for every placement.
 EngramLoads = Literal["auto", "volatile", "cg", "plain"]
 
+#: Who moves the rows of a host-placed table on a GPU (engram_layout.h HostGather): "cpu" = worker threads of the
+#: member gather into pinned staging and the copy engine moves each chunk (no SMs held); "gpu" = the GPU gather
+#: reads host memory over the link; "auto" = :meth:`EngramTable.host_path`.
+EngramHostGather = Literal["auto", "cpu", "gpu"]
+
 _GATHER = {"sm": 0, "tma": 1, "sm_few": 2}
+_HOST_GATHER = {"gpu": 0, "cpu": 1}
 _LOADS = {"auto": 0, "volatile": 1, "cg": 2, "plain": 3}
 _MAX_NUM_SMS = 1024            # engram_layout.h kMaxGatherSms
 _MIN_TMA_SMEM_KIB = 16         # engram_layout.h kTmaMinSmemBytes / 1024
 _MAX_TMA_SMEM_KIB = 227        # Hopper's per-block opt-in limit; the launcher clamps to the device's
+_MAX_HOST_THREADS = 256        # engram_layout.h kMaxHostThreads
 
 
 @dataclasses.dataclass(frozen=True)
 class EngramConfig:
-    """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated: the CPU gather
-    is synchronous and has no such choices).
+    """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated, except
+    ``host_threads``: the CPU backend's fetch always gathers on its host gather pool and waits for it).
 
     Attributes:
       fetch_gather: gather of an overlapped ``fetch`` (``overlap=True``, side stream). Default ``"tma"``: the
@@ -51,6 +58,12 @@ class EngramConfig:
       sm_loads: load kind of the ``"sm"`` gather (:data:`EngramLoads`).
       sm_blocks_per_sm: grid cap of the full-grid ``"sm"`` gather in 256-thread blocks per SM; 0 = as many as
         are resident at once (occupancy calculator).
+      host_gather: who moves the rows of a host-placed table (:data:`EngramHostGather`). ``"auto"``: CPU threads
+        for an overlapped ``fetch`` (the model's kernels keep every SM); for ``lookup`` the GPU gather while the
+        per-rank shard is at most 1 GiB (where the GPU's reads of host memory are fast), else CPU threads. Device
+        tables always use the GPU gather. The CPU backend always gathers on its worker threads.
+      host_threads: worker threads of the member's host gather pool; 0 = the backend's default (CUDA: up to 8, where
+        the gather + copy pipeline peaks; CPU backend: up to 4). The pool only grows.
     """
 
     fetch_gather: EngramGather = "tma"
@@ -59,6 +72,8 @@ class EngramConfig:
     tma_smem_kib: int = 192
     sm_loads: EngramLoads = "auto"
     sm_blocks_per_sm: int = 0
+    host_gather: EngramHostGather = "auto"
+    host_threads: int = 0
 
     def __post_init__(self):
         pre = "jax_engram.EngramConfig"
@@ -66,10 +81,12 @@ class EngramConfig:
             v = getattr(self, name)
             if v not in _GATHER:
                 raise ValueError(f"{pre}: {name} must be one of {tuple(_GATHER)}, got {v!r}")
+        if self.host_gather not in ("auto", *_HOST_GATHER):
+            raise ValueError(f"{pre}: host_gather must be one of ('auto', 'cpu', 'gpu'), got {self.host_gather!r}")
         if self.sm_loads not in _LOADS:
             raise ValueError(f"{pre}: sm_loads must be one of {tuple(_LOADS)}, got {self.sm_loads!r}")
         for name, lo, hi in (("num_sms", 1, _MAX_NUM_SMS), ("tma_smem_kib", _MIN_TMA_SMEM_KIB, _MAX_TMA_SMEM_KIB),
-                             ("sm_blocks_per_sm", 0, 64)):
+                             ("sm_blocks_per_sm", 0, 64), ("host_threads", 0, _MAX_HOST_THREADS)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{pre}: {name} must be an int in [{lo}, {hi}], got {v!r}")
@@ -78,12 +95,34 @@ class EngramConfig:
         """The gather a fetch with this ``overlap`` uses."""
         return self.fetch_gather if overlap else self.lookup_gather
 
+    def host_path(self, placement: str, shard_bytes: int, overlap: bool) -> Literal["cpu", "gpu"]:
+        """Who moves the rows of a fetch with this ``overlap`` from a table of ``placement`` whose per-rank shard is
+        ``shard_bytes`` (the rule of ``host_gather="auto"``; device tables: always ``"gpu"``)."""
+        if placement != "host":
+            return "gpu"
+        if self.host_gather != "auto":
+            return self.host_gather
+        if overlap:
+            return "cpu"
+        return "gpu" if shard_bytes <= _host_gather_gpu_max_shard_bytes() else "cpu"
+
     def ffi_attrs(self, overlap: bool) -> dict[str, int]:
         """The gather fields of the fetch handler's attributes for a fetch with this ``overlap``
         (EngramFetchAttrs in ffi/handlers/engram_bindings.h)."""
         return dict(gather=_GATHER[self.gather(overlap)], gather_sms=self.num_sms,
                     tma_smem_bytes=self.tma_smem_kib * 1024, sm_loads=_LOADS[self.sm_loads],
                     sm_blocks_per_sm=self.sm_blocks_per_sm)
+
+    def host_attrs(self, host_path: Literal["cpu", "gpu"]) -> dict[str, int]:
+        """The host-path fields of the fetch handler's attributes (host_gather 0 = gpu / 1 = cpu, host_threads)."""
+        return dict(host_gather=_HOST_GATHER[host_path], host_threads=self.host_threads)
+
+
+def _host_gather_gpu_max_shard_bytes() -> int:
+    """engram_layout.h kHostGatherGpuMaxShardBytes (from the CPU module, which is always built)."""
+    from jax_engram import _ffi
+
+    return int(_ffi.native("cpu").engram_layout["host_gather_gpu_max_shard_bytes"])
 
 
 # ================================================================================================== EP

@@ -13,8 +13,8 @@ Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)
 
     token = table.write(storage, sf=None, token=None)    # storage [num_entries, hidden]: this rank's shard
     pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, I] global ids
-    ...                                                  # independent XLA work overlaps the reads (GPU)
-    data, sf = table.wait(pending)                       # data [T, I*hidden], sf per sf_layout or None
+    h = ...                                              # independent XLA work overlaps the reads (GPU)
+    data, sf = table.wait(pending, after=h)              # data [T, I*hidden], sf per sf_layout or None
     data, sf = table.lookup(indices, token, ...)         # fetch + wait
 
 (T tokens, I = ids per token; tokens are float32 scalars, as for every jax_engram op.)
@@ -92,6 +92,7 @@ _INT32_MAX = 2**31 - 1
 _NO_BAD_POSITION = int(_LAYOUT["no_bad_position"])  # flat positions T*E must stay below it
 
 _uids = itertools.count()
+_slots = itertools.count(1)  # EngramPending.slot: one per traced fetch call (its wait waits for that fetch only)
 
 Placement = Literal["host", "device"]
 EngramMode = Literal["fill", "clip", "checked"]
@@ -131,7 +132,7 @@ def _check_choice(what: str, value, choices) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "sf", "status", "indices"],
-                   meta_fields=["has_sf", "overlap", "check_total"])
+                   meta_fields=["has_sf", "overlap", "check_total", "slot"])
 @dataclasses.dataclass(frozen=True)
 class EngramPending:
     """What ``EngramTable.fetch`` returns (a frozen pytree): the output buffers being filled and everything the
@@ -144,6 +145,7 @@ class EngramPending:
     has_sf: bool
     overlap: bool
     check_total: int = 0  # mode="checked" on a device backend: wait raises if an id is not in [0, check_total)
+    slot: int = 0  # the fetch call site (static): on GPU the wait waits for this fetch's work only
 
 
 def _raise_if_bad(status, indices, rank, *, total):
@@ -310,10 +312,17 @@ class EngramTable:
         """EngramWriteAttrs (less ctx_id)."""
         return dict(self._region_attrs(), sf_bytes=sf_bytes)
 
-    def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig) -> dict:
+    def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig, slot: int) -> dict:
         """EngramFetchAttrs (less ctx_id)."""
         return dict(self._region_attrs(), mode=mode, num_sf_packs=self.num_sf_packs, sf_layout=sf_layout,
-                    overlap=int(overlap), **config.ffi_attrs(overlap))
+                    overlap=int(overlap), **config.ffi_attrs(overlap),
+                    **config.host_attrs(self.host_path(overlap, config)), slot=slot)
+
+    def host_path(self, overlap: bool, config: EngramConfig | None = None) -> Literal["cpu", "gpu"]:
+        """Who moves this table's rows in a fetch with this ``overlap`` on a GPU: ``"cpu"`` (worker threads gather
+        into pinned staging, the copy engine moves it: no SMs) or ``"gpu"`` (the GPU gather); the rule of
+        ``EngramConfig.host_gather`` for this placement and shard size (``config``: the table's by default)."""
+        return (config or self.config).host_path(self.placement, self.nbytes, bool(overlap))
 
     def sf_shape(self, num_tokens: int, ids_per_token: int, sf_layout: SfLayout = "row") -> tuple[int, ...]:
         """Local shape of the sf output of a lookup of [num_tokens, ids_per_token] ids (``(0,)`` without scale
@@ -391,9 +400,9 @@ class EngramTable:
                 raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
             sf = jnp.zeros((0,), jnp.int32)
             sf_bytes = 0
-        if token is None:
-            token = _call.new_token(self.ctx)
-        token = jnp.asarray(token)
+        # The token only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
+        # lookup inside a training step; the write contributes no gradient to it).
+        token = _call.new_token(self.ctx) if token is None else jax.lax.stop_gradient(jnp.asarray(token))
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
                           storage, sf, **self._write_attrs(sf_bytes))
 
@@ -404,7 +413,8 @@ class EngramTable:
         pending lookup for ``wait``.
 
         ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
-        must be computed first). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
+        must be computed first; it only orders the fetch, so it may be a differentiated array: the fetch adds
+        nothing to its gradient). ``mode``: "fill" | "clip" | "checked" (module docstring). ``sf_layout``:
         "row" -> sf [T, I*P]; "tma_col_major" -> sf [I*P, align(T, 4)] (column-major by token, zero padding).
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
@@ -421,7 +431,9 @@ class EngramTable:
         layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
         T, E = indices.shape
-        token = indices if token is None else jnp.asarray(token)
+        # Ordering only (stop_gradient: under jax.grad a differentiated token must not reach the FFI call, which
+        # has no derivative; the rows are constants of the ids, which are integers).
+        token = indices if token is None else jax.lax.stop_gradient(jnp.asarray(token))
         sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
         if T * E == 0:  # nothing to read (XLA cannot compile the aliasing wait on empty buffers)
             return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
@@ -430,19 +442,24 @@ class EngramTable:
         results = (_call.like(indices, (T, E * self.hidden), self.dtype),
                    _call.like(indices, self.sf_shape(T, E, sf_layout), sf_dt),
                    _call.like(indices, (), jnp.int32))
+        slot = next(_slots) if overlap else 0  # lookups need none (and keep their HLO the same across traces)
         data, sf, status = _call.call(self.ctx, "jax_engram_engram_fetch", results, indices, token,
-                                      **self._fetch_attrs(mode_i, layout_i, bool(overlap), cfg))
+                                      **self._fetch_attrs(mode_i, layout_i, bool(overlap), cfg, slot))
         # Device backends check on the device and leave the first bad flat position in `status` (CPU: the fetch
         # itself fails); wait turns it into an error of this call.
         check_total = self.total_entries if mode == "checked" and self.ctx.platform != "cpu" else 0
-        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total)
+        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), bool(overlap), check_total, slot)
 
-    def wait(self, pending: EngramPending, token: Optional[jax.Array] = None
+    def wait(self, pending: EngramPending, *, after: Optional[jax.Array] = None
              ) -> tuple[jax.Array, Optional[jax.Array]]:
         """Wait for a pending fetch; returns ``(data [T, I*hidden] of the table's dtype, sf or None)``.
 
-        ``token``: optional array that must be computed before the wait (e.g. the result of the work meant to
-        overlap the reads), so that XLA cannot schedule the wait before that work.
+        ``after``: an array (any shape and dtype) that must be computed before the wait, typically the hidden
+        state at the layer that consumes the rows, i.e. the result of the work meant to overlap the reads.
+        Without it XLA may place the wait right after the fetch (nothing overlaps). It only orders: ``after`` may
+        be differentiated (under ``jax.grad`` / ``jax.vjp`` the wait adds nothing to its gradient), and the
+        rows are constants (their ids are integers). The wait returns only the rows: whatever consumes them is
+        ordered after the wait, and nothing else needs to be.
         """
         _call.check_axis(self.ctx, "EngramTable.wait")
         if not isinstance(pending, EngramPending):
@@ -453,11 +470,12 @@ class EngramTable:
         if pending.data.size == 0:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
-               pending.status if token is None else jnp.asarray(token))
-        # EngramWaitAttrs: ctx_id, overlap.
+               pending.status if after is None else jax.lax.stop_gradient(jnp.asarray(after)))
+        # EngramWaitAttrs: ctx_id, overlap, slot.
         data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
                                     has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
-                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap))
+                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap),
+                                        slot=_call.i64(pending.slot))
         if pending.check_total:
             _call.require_host_callbacks("EngramTable.wait (mode='checked')")
             # A host callback after the reads: it fails this call (the execution) with the bad id, once; the

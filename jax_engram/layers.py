@@ -7,7 +7,13 @@ Two levels:
   context's mesh axis): :func:`engram_layer`, :func:`moe_layer`.
 * Per rank (call inside your own ``shard_map`` over ``ctx.axis_name``, local shapes): :func:`engram_local`,
   :func:`moe_local` and their pieces (:func:`engram_ids`, :func:`engram_gate_add`, :func:`route`,
-  :func:`moe_experts`).
+  :func:`moe_experts`). :func:`engram_layer` called inside such a ``shard_map`` is :func:`engram_local`.
+
+Prefetch: :func:`engram_prefetch` starts an Engram layer's lookups from the token ids alone (at the start of the
+step); the layer consumes them with ``pending=`` and waits after its input, so the work before the layer
+overlaps the reads (GPU). Works per rank and on global arrays, under ``jax.grad``. The decode form
+(:class:`EngramDecodeState`, :func:`engram_decode_init`, :func:`engram_decode_ids`) gives the ids of each
+sequence's newest token from a small carried state, for inference loops.
 
 Pure-JAX twins on the global view (:func:`engram_layer_reference`, :func:`moe_layer_reference`) run the same
 math on :mod:`jax_engram.reference`, for checks.
@@ -40,11 +46,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import ep as _ep
+from jax_engram.config import EngramConfig
 from jax_engram.context import Context
-from jax_engram.engram import EngramTable
+from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
-           "engram_layer_reference", "route", "moe_experts", "moe_local", "moe_layer", "moe_layer_reference",
+           "engram_layer_reference", "engram_prefetch", "GlobalEngramPending", "engram_dequantize",
+           "EngramDecodeState", "engram_decode_init", "engram_decode_ids", "route", "moe_experts", "moe_local",
+           "moe_layer", "moe_layer_reference",
            "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
 
 Params = Mapping[str, jax.Array]
@@ -94,6 +103,26 @@ def _mix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def _hash_ids(prev: Callable[[int], jax.Array], valid: Callable[[int], jax.Array], shape: tuple[int, ...], *,
+              hashing: EngramHashing, total_entries: int) -> jax.Array:
+    """The hash of :func:`engram_ids`, shared with the decode form so that both give the same ids bit for bit.
+    prev(i): uint32 [*shape], token t-i of every position t (i = 0 .. max order - 1); valid(n): bool mask
+    (broadcastable to shape) of the positions with at least n-1 tokens before them."""
+    buckets = hashing.buckets_per_head(total_entries)
+    out = []
+    head = 0
+    for n in hashing.orders:
+        for j in range(hashing.heads_per_order):
+            salt = (hashing.seed * 0x9E3779B1 + n * 0x85EBCA77 + j * 0xC2B2AE3D + 1) & 0xFFFFFFFF
+            h = jnp.full(shape, salt, jnp.uint32)
+            for i in range(n):
+                h = _mix32(h ^ (prev(i) + jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)))
+            gid = (h % jnp.uint32(buckets)).astype(jnp.int32) * hashing.num_heads + head
+            out.append(jnp.where(valid(n), gid, -1))
+            head += 1
+    return jnp.stack(out, axis=-1)
+
+
 def engram_ids(token_ids: jax.Array, *, hashing: EngramHashing, total_entries: int) -> jax.Array:
     """Global table ids of every token's hashed n-grams.
 
@@ -105,24 +134,78 @@ def engram_ids(token_ids: jax.Array, *, hashing: EngramHashing, total_entries: i
     if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"engram_ids: token_ids must be integer [batch, seq], got {token_ids.dtype} "
                          f"{token_ids.shape}")
-    B, S = token_ids.shape
-    buckets = hashing.buckets_per_head(total_entries)
     tok = token_ids.astype(jnp.uint32)
-    pos = jnp.arange(S)
-    out = []
-    head = 0
-    for n in hashing.orders:
-        # shifted[i][:, t] = token t - i (garbage where t < i: masked below)
-        shifted = [tok] + [jnp.roll(tok, i, axis=1) for i in range(1, n)]
-        for j in range(hashing.heads_per_order):
-            salt = (hashing.seed * 0x9E3779B1 + n * 0x85EBCA77 + j * 0xC2B2AE3D + 1) & 0xFFFFFFFF
-            h = jnp.full((B, S), salt, jnp.uint32)
-            for i, t_i in enumerate(shifted):
-                h = _mix32(h ^ (t_i + jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)))
-            gid = (h % jnp.uint32(buckets)).astype(jnp.int32) * hashing.num_heads + head
-            out.append(jnp.where(pos[None, :] >= n - 1, gid, -1))
-            head += 1
-    return jnp.stack(out, axis=-1)
+    pos = jnp.arange(token_ids.shape[1])[None, :]
+    # prev(i)[:, t] = token t - i (garbage where t < i: masked by valid)
+    return _hash_ids(lambda i: jnp.roll(tok, i, axis=1) if i else tok, lambda n: pos >= n - 1, tok.shape,
+                     hashing=hashing, total_entries=total_entries)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["history", "length"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class EngramDecodeState:
+    """What an inference loop carries to compute Engram ids one token at a time (a frozen pytree).
+
+    history: uint32 [B, K], the last K = max(hashing.orders) - 1 token ids of every sequence, newest last (the
+    token ids as :func:`engram_ids` hashes them: converted to uint32). length: int32 [B], tokens seen so far,
+    capped at K (a new token has n-1 predecessors for order n iff ``length >= n - 1``).
+    Make one with :func:`engram_decode_init`; advance it with :func:`engram_decode_ids`.
+    """
+
+    history: jax.Array
+    length: jax.Array
+
+
+def _decode_depth(hashing: EngramHashing) -> int:
+    return max(hashing.orders) - 1
+
+
+def engram_decode_init(prompt: int | jax.Array, *, hashing: EngramHashing,
+                       lengths: Optional[jax.Array] = None) -> EngramDecodeState:
+    """The decode state before the first generated token.
+
+    prompt: the batch size B (no prompt), or the prompt token ids int [B, S] whose ids the caller computed with
+    :func:`engram_ids` (a prefill). lengths: optional int [B], the real length of each prompt (right padding
+    after it; default S for every sequence). Returns an :class:`EngramDecodeState` whose next
+    :func:`engram_decode_ids` gives the ids of position ``lengths`` (or S).
+    """
+    K = _decode_depth(hashing)
+    if isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool):
+        return EngramDecodeState(jnp.zeros((int(prompt), K), jnp.uint32), jnp.zeros((int(prompt),), jnp.int32))
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"engram_decode_init: prompt must be the batch size or integer token ids [batch, seq], got "
+                         f"{prompt.dtype} {prompt.shape}")
+    B, S = prompt.shape
+    n = jnp.full((B,), S, jnp.int32) if lengths is None else jnp.minimum(jnp.asarray(lengths, jnp.int32), S)
+    pos = n[:, None] - K + jnp.arange(K, dtype=jnp.int32)[None, :]          # [B, K]: the last K positions
+    tok = jnp.take_along_axis(prompt.astype(jnp.uint32), jnp.clip(pos, 0, max(S - 1, 0)), axis=1) if S else \
+        jnp.zeros((B, K), jnp.uint32)
+    return EngramDecodeState(jnp.where(pos >= 0, tok, jnp.uint32(0)), jnp.minimum(n, K))
+
+
+def engram_decode_ids(state: EngramDecodeState, new_token_ids: jax.Array, *, hashing: EngramHashing,
+                      total_entries: int) -> tuple[jax.Array, EngramDecodeState]:
+    """The decode form of :func:`engram_ids`: the ids of each sequence's newest token from its last n-1 tokens.
+
+    state: the :class:`EngramDecodeState` (history [B, K], length [B]); new_token_ids: int [B]. Returns
+    ``(ids int32 [B, hashing.num_heads], the state after the new token)``; ids equal, bit for bit, the row of
+    :func:`engram_ids` of the whole sequence at the new token's position. Prefetch them with
+    ``engram_prefetch(table, ids=ids[:, None])`` (one position per sequence).
+    """
+    K = _decode_depth(hashing)
+    new = jnp.asarray(new_token_ids)
+    if new.ndim != 1 or not jnp.issubdtype(new.dtype, jnp.integer):
+        raise ValueError(f"engram_decode_ids: new_token_ids must be integer [batch], got {new.dtype} {new.shape}")
+    if state.history.shape != (new.shape[0], K):
+        raise ValueError(f"engram_decode_ids: state.history is {state.history.shape}, expected [batch, "
+                         f"max(orders) - 1] = [{new.shape[0]}, {K}] for {hashing}")
+    tok = new.astype(jnp.uint32)
+    hist = state.history
+    ids = _hash_ids(lambda i: hist[:, K - i] if i else tok, lambda n: state.length >= n - 1, tok.shape,
+                    hashing=hashing, total_entries=total_entries)
+    history = jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1) if K else hist
+    return ids, EngramDecodeState(history, jnp.minimum(state.length + 1, K).astype(jnp.int32))
 
 
 def _rms(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -143,18 +226,177 @@ def engram_gate_add(params: Params, hidden: jax.Array, memory: jax.Array) -> jax
     return (h + gate * v).astype(hidden.dtype)
 
 
-def engram_local(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table: EngramTable,
+def _check_gate(params: Params, hidden_size: int, memory_dim: int, hashing: EngramHashing, where: str) -> None:
+    """The gate's projections must read num_heads rows of memory_dim elements each (a clear error instead of a
+    shape mismatch deep inside dot_general)."""
+    m = hashing.num_heads * memory_dim
+    for k in ("w_key", "w_value"):
+        w = params[k]
+        if tuple(w.shape) != (m, hidden_size):
+            raise ValueError(
+                f"{where}: params[{k!r}] is {list(w.shape)} but the table's rows need [num_heads * memory_dim, "
+                f"hidden] = [{hashing.num_heads} * {memory_dim}, {hidden_size}] = [{m}, {hidden_size}] (a gate made "
+                f"for memory_dim {w.shape[0] / hashing.num_heads:g} does not fit a table of memory_dim {memory_dim}; "
+                "init_engram_params(memory_dim=table.hidden, num_heads=hashing.num_heads))")
+
+
+def _dequantize(data: jax.Array, sf: Optional[jax.Array], memory_dim: int, sf_dtype: Any) -> jax.Array:
+    """data [..., I*d] with sf [..., I*P] (or None) -> the rows as numbers (float32 when scaled)."""
+    if sf is None:
+        return data
+    lead = data.shape[:-1]
+    I = data.shape[-1] // memory_dim
+    P_ = sf.shape[-1] // I
+    if np.dtype(sf_dtype) == np.dtype(np.int32):  # packed UE8M0x4: byte k of pack p scales block 4p+k by 2^(e-127)
+        e = jax.lax.bitcast_convert_type(sf, jnp.uint8).reshape(lead + (I, 4 * P_)).astype(jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+        blocks = 4 * P_
+    else:
+        scale, blocks = sf.astype(jnp.float32).reshape(lead + (I, P_)), P_
+    if memory_dim % blocks:
+        raise ValueError(f"jax_engram Engram layer: {blocks} scale blocks per row do not divide memory_dim "
+                         f"{memory_dim}")
+    x = data.astype(jnp.float32).reshape(lead + (I, blocks, memory_dim // blocks)) * scale[..., None]
+    return x.reshape(data.shape)
+
+
+def engram_dequantize(data: jax.Array, sf: Optional[jax.Array], *, table: EngramTable) -> jax.Array:
+    """The Engram layer's view of looked-up rows: data [..., I*memory_dim] as is without scale factors; with
+    them (sf [..., I*P], "row" layout), float32 rows scaled per block: P float32 scales per row, each for
+    memory_dim/P consecutive elements, or int32 packs of four UE8M0 exponents (byte k of pack p scales block
+    4p+k by 2**(e-127); 4P blocks per row). Returns [..., I*memory_dim]."""
+    return _dequantize(data, sf, table.hidden, table.sf_dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pending"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GlobalEngramPending:
+    """What :func:`engram_prefetch` returns outside ``shard_map`` (a frozen pytree): every rank's
+    :class:`jax_engram.EngramPending` as global arrays, each sharded along its first axis like the batch
+    (:func:`batch_spec`). Pass it to :func:`engram_layer` (or ``EngramMemory.__call__``) in the same jitted
+    program; inside your own ``shard_map`` it can be passed in with ``in_specs=batch_spec(ctx)`` (every leaf)
+    and given to :func:`engram_local`. Do not read its fields."""
+
+    pending: EngramPending
+
+
+def _inside_shard_map(ctx: Context) -> bool:
+    """True inside shard_map over the context's axis (local shapes), False outside any shard_map over it."""
+    try:
+        jax.lax.axis_size(ctx.axis_name)
+    except NameError:
+        return False
+    return True
+
+
+def _to_global(p: EngramPending) -> GlobalEngramPending:
+    # Every leaf gets a leading per-rank axis to leave the shard_map. A table without scale factors has an empty
+    # sf buffer that nothing reads or writes: it travels as one placeholder element (XLA:CPU fails to compile an
+    # empty buffer crossing shard_map into the aliasing wait) and is made again on the way in.
+    sf = p.sf if p.has_sf else jnp.zeros((1,), p.sf.dtype)
+    return GlobalEngramPending(dataclasses.replace(p, sf=sf, status=p.status.reshape(1)))
+
+
+def _local_pending(p: Any, where: str) -> EngramPending:
+    if isinstance(p, GlobalEngramPending):  # passed into a shard_map: this rank's slice of every leaf
+        if p.pending.status.shape != (1,):
+            raise ValueError(f"{where}: this GlobalEngramPending is not a per-rank slice; pass it into your "
+                             "shard_map with in_specs=batch_spec(ctx) for every leaf, or call the layer outside "
+                             "shard_map")
+        q = p.pending
+        sf = q.sf if q.has_sf else jnp.zeros((0,), q.sf.dtype)
+        return dataclasses.replace(q, sf=sf, status=q.status.reshape(()))
+    if not isinstance(p, EngramPending):
+        raise TypeError(f"{where}: pending must be what engram_prefetch returned, got {type(p).__name__}")
+    return p
+
+
+def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *,
+                    hashing: EngramHashing = EngramHashing(), ids: Optional[jax.Array] = None,
+                    mode: EngramMode = "fill", token: Optional[jax.Array] = None,
+                    config: Optional[EngramConfig] = None) -> EngramPending | GlobalEngramPending:
+    """Start an Engram layer's lookups (call it at the start of the step; consume the result at the layer with
+    ``engram_layer(..., pending=)`` / ``engram_local(..., pending=)``, in the same jitted program).
+
+    Give exactly one of token_ids int [B, S] (hashed by :func:`engram_ids`) or ids int32 [B, S, num_heads]
+    (precomputed global ids, e.g. from :func:`engram_decode_ids` as ``ids[:, None]``). Inside ``shard_map``
+    over ``table.ctx``'s axis the shapes are this rank's and the result is the rank's
+    :class:`jax_engram.EngramPending` (``table.fetch(..., overlap=True)``); outside, they are global arrays
+    sharded (or shardable) along B like :func:`engram_layer`'s, and the result is a
+    :class:`GlobalEngramPending`. ``mode``: out-of-range ids (``EngramTable.fetch``). ``token``: per rank only,
+    orders the reads after another jax_engram op (e.g. a ``table.write`` in the same program). ``config``:
+    overrides the table's :class:`jax_engram.EngramConfig`. The reads need nothing but the token ids, so XLA
+    can start them before any layer runs; on GPU they run beside the work until the wait.
+    """
+    where = "jax_engram.layers.engram_prefetch"
+    if (token_ids is None) == (ids is None):
+        raise TypeError(f"{where}: give exactly one of token_ids [B, S] or ids [B, S, num_heads]")
+    if _inside_shard_map(table.ctx):
+        if ids is None:
+            ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
+        ids = jnp.asarray(ids)
+        if ids.ndim != 3:
+            raise ValueError(f"{where}: ids must be [batch, seq, ids_per_token], got shape {ids.shape}")
+        B, S, I = ids.shape
+        return table.fetch(ids.reshape(B * S, I), token, mode=mode, overlap=True, config=config)
+    if token is not None:
+        raise ValueError(f"{where}: token= orders per-rank ops and is only accepted inside shard_map over "
+                         f"{table.ctx.axis_name!r}")
+    if not isinstance(ids if token_ids is None else token_ids, jax.core.Tracer):
+        # Eagerly, the pending buffers would leave a finished program while (GPU) the reads still fill them.
+        raise RuntimeError(f"{where}: call it inside the jitted step that also runs the layer consuming it "
+                           "(jax.jit / nnx.jit), not eagerly: a pending lookup lives within one program")
+    fn = _prefetch_fn(table, hashing, mode, config, ids is not None)
+    return fn(ids if token_ids is None else token_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _prefetch_fn(table: EngramTable, hashing: EngramHashing, mode: str, config: Optional[EngramConfig],
+                 from_ids: bool):
+    bs = _batch_spec(table.ctx)
+
+    def body(x):
+        kw = dict(ids=x) if from_ids else dict(token_ids=x)
+        return _to_global(engram_prefetch(table, hashing=hashing, mode=mode, config=config, **kw))  # type: ignore
+
+    return jax.jit(jax.shard_map(body, mesh=table.ctx.mesh, in_specs=(bs,), out_specs=bs))
+
+
+def engram_local(params: Params, hidden: jax.Array, token_ids: Optional[jax.Array] = None, *, table: EngramTable,
                  hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill",
-                 token: Optional[jax.Array] = None) -> jax.Array:
+                 token: Optional[jax.Array] = None,
+                 pending: EngramPending | GlobalEngramPending | None = None) -> jax.Array:
     """Per-rank Engram layer (inside ``shard_map`` over ``table.ctx``'s axis).
 
-    hidden [B, S, H] (this rank's sequences), token_ids int [B, S]. Returns [B, S, H] of hidden's dtype.
-    ``token``: orders the lookup after another jax_engram op (e.g. a ``table.write`` in the same program).
+    hidden [B, S, H] (this rank's sequences). Give exactly one of token_ids int [B, S] (lookup here, with
+    ``mode`` and ``token``, which orders it after another jax_engram op) or ``pending``, this rank's
+    :func:`engram_prefetch` of the same [B, S] positions (its wait is ordered after ``hidden``: the work that
+    produced hidden overlaps the reads). FP8 tables: rows are scaled by their scale factors
+    (:func:`engram_dequantize`). Returns [B, S, H] of hidden's dtype; differentiable in params and hidden.
     """
+    where = "jax_engram.layers.engram_local"
     B, S, H = hidden.shape
-    ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
-    data, _ = table.lookup(ids.reshape(B * S, hashing.num_heads), token, mode=mode)
-    return engram_gate_add(params, hidden, data.reshape(B, S, -1))
+    _check_gate(params, H, table.hidden, hashing, where)
+    if (token_ids is None) == (pending is None):
+        raise TypeError(f"{where}: give exactly one of token_ids or pending")
+    if pending is None:
+        ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
+        data, sf = table.lookup(ids.reshape(B * S, hashing.num_heads), token, mode=mode)
+    else:
+        if token is not None or mode != "fill":
+            raise ValueError(f"{where}: mode and token apply to the lookup from token_ids; a pending lookup took "
+                             "them at engram_prefetch")
+        pend = _local_pending(pending, where)
+        want = (B * S, hashing.num_heads * table.hidden)
+        if tuple(pend.data.shape) != want:
+            raise ValueError(f"{where}: the pending lookup has {pend.data.shape[0]} positions of "
+                             f"{pend.data.shape[1]} elements, the layer needs [B*S, num_heads*memory_dim] = "
+                             f"{list(want)} (hidden {list(hidden.shape)}); prefetch the same tokens with the same "
+                             "hashing and table")
+        data, sf = table.wait(pend, after=hidden)
+    mem = _dequantize(data.reshape(B, S, -1), None if sf is None else sf.reshape(B, S, -1), table.hidden,
+                      table.sf_dtype)
+    return engram_gate_add(params, hidden, mem)
 
 
 def _axis(ctx) -> Any:
@@ -171,42 +413,73 @@ def _batch_spec(ctx) -> P:
     return P(axes if len(axes) > 1 else axes[0])
 
 
-def engram_layer(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table: EngramTable,
-                 hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill") -> jax.Array:
+def engram_layer(params: Params, hidden: jax.Array, token_ids: Optional[jax.Array] = None, *, table: EngramTable,
+                 hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill",
+                 pending: GlobalEngramPending | EngramPending | None = None) -> jax.Array:
     """Engram layer on global arrays: hidden [B, S, H] and token_ids int [B, S], both sharded (or shardable)
     along B over the mesh (the context's axis last; B a multiple of the mesh's devices); params ``w_key`` / ``w_value``
-    [num_heads*table.hidden, H] replicated. Returns hidden after the gated add, [B, S, H], sharded like it.
-    Differentiable in params and hidden (the table is memory, not a parameter: no gradient reaches it)."""
-    return _engram_fn(table, hashing, mode, tuple(params))(dict(params), hidden, token_ids)
+    [num_heads*table.hidden, H] replicated. Instead of token_ids, ``pending``: what :func:`engram_prefetch`
+    returned for the same tokens at the start of the step (the wait is ordered after ``hidden``). Returns hidden
+    after the gated add, [B, S, H], sharded like it. Differentiable in params and hidden (the table is memory,
+    not a parameter: no gradient reaches it).
+
+    Inside your own ``shard_map`` over ``table.ctx``'s axis this is :func:`engram_local` (local shapes, no
+    second shard_map)."""
+    if _inside_shard_map(table.ctx):
+        return engram_local(params, hidden, token_ids, table=table, hashing=hashing, mode=mode, pending=pending)
+    where = "jax_engram.engram_layer"
+    if (token_ids is None) == (pending is None):
+        raise TypeError(f"{where}: give exactly one of token_ids or pending")
+    if pending is not None:
+        if isinstance(pending, EngramPending):
+            raise TypeError(f"{where}: this EngramPending is one rank's (from table.fetch or engram_prefetch inside "
+                            "shard_map); outside shard_map pass what engram_prefetch returns there "
+                            "(a GlobalEngramPending)")
+        if not isinstance(pending, GlobalEngramPending):
+            raise TypeError(f"{where}: pending must be what engram_prefetch returned, got {type(pending).__name__}")
+        if mode != "fill":
+            raise ValueError(f"{where}: mode applies to the lookup from token_ids; a pending lookup took it at "
+                             "engram_prefetch")
+    _check_gate(params, hidden.shape[-1], table.hidden, hashing, where)
+    fn = _engram_fn(table, hashing, mode, tuple(params), pending is not None)
+    return fn(dict(params), hidden, token_ids if pending is None else pending)
 
 
 @functools.lru_cache(maxsize=64)
-def _engram_fn(table: EngramTable, hashing: EngramHashing, mode: str, keys: tuple[str, ...]):
+def _engram_fn(table: EngramTable, hashing: EngramHashing, mode: str, keys: tuple[str, ...], prefetched: bool):
     # jit around the shard_map: inlined under an outer jit, and an eager call runs one compiled program (op by op,
     # the fetch/wait pair would be compiled apart). Cached so that eager calls do not retrace.
     ctx = table.ctx
     bs = _batch_spec(ctx)
 
     def body(p, h, t):
+        if prefetched:
+            return engram_local(p, h, table=table, hashing=hashing, pending=t)
         return engram_local(p, h, t, table=table, hashing=hashing, mode=mode)  # type: ignore[arg-type]
 
     return jax.jit(jax.shard_map(body, mesh=ctx.mesh, in_specs=({k: P() for k in keys}, bs, bs), out_specs=bs))
 
 
 def engram_layer_reference(params: Params, hidden: jax.Array, token_ids: jax.Array, *, table_rows: jax.Array,
-                           num_ranks: int, hashing: EngramHashing = EngramHashing()) -> jax.Array:
+                           num_ranks: int, hashing: EngramHashing = EngramHashing(),
+                           sf_rows: Optional[jax.Array] = None) -> jax.Array:
     """Global-view pure-JAX twin of :func:`engram_layer` (the lookup by :func:`jax_engram.reference.engram_lookup`).
 
-    table_rows: the whole table [num_ranks*num_entries, memory_dim] as written. Shapes as :func:`engram_layer`.
+    table_rows: the whole table [num_ranks*num_entries, memory_dim] as written; sf_rows: its scale factors
+    [num_ranks*num_entries, P] (float32 or packed int32, see :func:`engram_dequantize`) or None. Shapes as
+    :func:`engram_layer`.
     """
     from jax_engram import reference as ref
 
     B, S, H = hidden.shape
     total, d = table_rows.shape
+    _check_gate(params, H, d, hashing, "jax_engram.layers.engram_layer_reference")
     ids = engram_ids(token_ids, hashing=hashing, total_entries=total)
-    data, _ = ref.engram_lookup(jnp.asarray(table_rows).reshape(num_ranks, total // num_ranks, d),
-                                ids.reshape(B * S, hashing.num_heads))
-    return engram_gate_add(params, hidden, data.reshape(B, S, -1))
+    data, sf = ref.engram_lookup(jnp.asarray(table_rows).reshape(num_ranks, total // num_ranks, d),
+                                 ids.reshape(B * S, hashing.num_heads), sf_table=sf_rows)
+    mem = _dequantize(data.reshape(B, S, -1), None if sf is None else sf.reshape(B, S, -1), d,
+                      None if sf_rows is None else jnp.asarray(sf_rows).dtype)
+    return engram_gate_add(params, hidden, mem)
 
 
 # ------------------------------------------------------------------------------------------------- MoE

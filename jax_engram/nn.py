@@ -9,6 +9,19 @@ their own ``shard_map`` inside: drop them into a model as any other NNX layer::
     h = mem(x, token_ids)           # x [B, S, 512], token_ids int [B, S]; B a multiple of the ranks
     y = h + moe(h)
 
+Prefetch: ``pending = mem.prefetch(token_ids)`` at the start of the step (the ids need only the tokens), then
+``mem(x, pending=pending)`` at the layer; the reads run while the layers before it compute. Both also work inside
+your own ``shard_map`` over the context's axis (local shapes, no second shard_map) and in a model jitted as a
+whole (``nnx.jit``, ``nnx.value_and_grad``)::
+
+    def __call__(self, token_ids):
+        pending = [m.prefetch(token_ids) for m in self.memories]   # every Engram layer, at step start
+        x = self.embed(token_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i in self.engram_at:
+                x = self.memories[self.engram_at.index(i)](x, pending=pending[self.engram_at.index(i)])
+
 Gradients flow to x and to every ``nnx.Param``: the router and the Engram gate projections are replicated,
 the experts' ``w_up`` / ``w_down`` are sharded over the EP axis (rank r holds experts r*E_loc..). The Engram
 table is memory, not a parameter: it lives in jax_engram's symmetric windows (``placement="host"``: host
@@ -32,7 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from jax_engram import layers as L
 from jax_engram.context import Context
-from jax_engram.engram import EngramTable
+from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramMemory", "MoE"]
 
@@ -58,7 +71,10 @@ class EngramMemory(nnx.Module):
       table_rows: optional initial rows [num_rows, memory_dim] (host array, the same on every process).
       rngs: ``nnx.Rngs`` for the parameters and the initial table.
 
-    Call: ``mem(x, token_ids)`` with x [B, S, H], token_ids int [B, S] -> [B, S, H] of x's dtype.
+    Call: ``mem(x, token_ids)`` with x [B, S, H], token_ids int [B, S] -> [B, S, H] of x's dtype; or
+    ``mem(x, pending=mem.prefetch(token_ids))`` (the lookup started earlier in the same jitted program).
+    Decode: ``ids, state = mem.decode_ids(state, new_token_ids)`` then ``mem(x, pending=mem.prefetch(ids=ids[:,
+    None]))`` with x [B, 1, H] (state from :func:`jax_engram.layers.engram_decode_init`).
     """
 
     def __init__(self, hidden: int, *, ctx: Context, memory_dim: int = 64, buckets_per_head: int = 1 << 14,
@@ -83,6 +99,9 @@ class EngramMemory(nnx.Module):
         """Collective: replace the table's rows ([table.total_entries, memory_dim]; a host array is cast to the
         table's dtype; fewer rows are padded with zeros)."""
         t = self.table
+        if np.ndim(rows) != 2 or np.shape(rows)[1] != t.hidden:
+            raise ValueError(f"EngramMemory.write_table: rows must be [num_rows, memory_dim={t.hidden}], got "
+                             f"{np.shape(rows)}")
         if not isinstance(rows, jax.Array):
             rows = np.asarray(rows)
             if rows.shape[0] < t.total_entries:
@@ -91,9 +110,23 @@ class EngramMemory(nnx.Module):
             rows = rows.astype(t.dtype)
         jax.block_until_ready(t.write_global(rows))
 
-    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
-        params = {"w_key": self.w_key.value, "w_value": self.w_value.value}
-        return L.engram_layer(params, x, token_ids, table=self.table, hashing=self.hashing)
+    def prefetch(self, token_ids: Optional[jax.Array] = None, *, ids: Optional[jax.Array] = None,
+                 mode: L.EngramMode = "fill") -> EngramPending | L.GlobalEngramPending:
+        """Start this layer's lookups: :func:`jax_engram.layers.engram_prefetch` on the module's table and hashing
+        (token_ids int [B, S], or ids int32 [B, S, num_heads]); pass the result to ``__call__(x, pending=)`` in the
+        same jitted program."""
+        return L.engram_prefetch(self.table, token_ids, ids=ids, hashing=self.hashing, mode=mode)
+
+    def decode_ids(self, state: L.EngramDecodeState, new_token_ids: jax.Array
+                   ) -> tuple[jax.Array, L.EngramDecodeState]:
+        """:func:`jax_engram.layers.engram_decode_ids` with this module's hashing and table: new_token_ids int [B]
+        -> (ids int32 [B, num_heads], the next state)."""
+        return L.engram_decode_ids(state, new_token_ids, hashing=self.hashing, total_entries=self.table.total_entries)
+
+    def __call__(self, x: jax.Array, token_ids: Optional[jax.Array] = None, *,
+                 pending: EngramPending | L.GlobalEngramPending | None = None) -> jax.Array:
+        params = {"w_key": self.w_key[...], "w_value": self.w_value[...]}
+        return L.engram_layer(params, x, token_ids, table=self.table, hashing=self.hashing, pending=pending)
 
 
 class MoE(nnx.Module):

@@ -345,3 +345,83 @@ def test_bench_ep_cpu_run(tmp_path):
     exp = [r for r in runs if r["layout"] == "expand"]
     assert all(r["best_baseline_dispatch"] != "dedup_a2a_expand" for r in nonexp)
     assert all(r["best_baseline_dispatch"] in ("ragged_a2a", "a2a_cap1.25", "dedup_a2a_expand") for r in exp)
+
+
+def test_bench_model_smoke(tmp_path):
+    """``python -m jax_engram.bench model --smoke`` on 4 CPU devices: the JSON has every variant for every (T, mode),
+    each with a finite positive time or a stated skip, the overheads against ``resident`` and ``none`` where both ran,
+    and the table names every variant (plumbing only: no timing is asserted)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    out = tmp_path / "m"
+    p = subprocess.run([sys.executable, "-m", "jax_engram.bench", "model", "--smoke", "--platform", "cpu", "-q",
+                        "--out-dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "model.json").read_text())
+    assert res["ranks"] == 4 and res["env"]["backend"] == "cpu"
+    import math
+    variants = ("none", "resident", "lookup[gpu]", "lookup[cpu]", "prefetch[gpu]", "prefetch[cpu]", "take_hbm")
+    steps = {(r["variant"], r["T"], r["mode"]): r for r in res["steps"]}
+    Ts = sorted({r["T"] for r in res["steps"]})
+    assert Ts and {m for _, _, m in steps} == {"fwd", "train"}
+    for v in variants:
+        for T in Ts:
+            for mode in ("fwd", "train"):
+                r = steps[(v, T, mode)]
+                if r.get("skipped"):
+                    assert v.endswith("[cpu]") and "host_gather" in r["skipped"], r
+                    continue
+                assert "error" not in r, r
+                assert math.isfinite(r["ms"]) and r["ms"] > 0, r
+                for ref in ("resident", "none"):
+                    assert math.isfinite(r[f"vs_{ref}_pct"]), r
+        assert v in p.stdout
+    assert steps[("resident", Ts[0], "fwd")]["vs_resident_pct"] == 0.0
+    for r in res["fetch"]:
+        assert r.get("skipped") or (math.isfinite(r["gbps"]) and r["gbps"] > 0), r
+    assert res["tables"][0]["rows_per_table"] > 0 and res["config"]["row_bytes"] == 264
+    if (out / "model_step.png").exists():  # matplotlib installed
+        assert (out / "model_step.png").stat().st_size > 0
+
+
+def test_bench_engram_sizes_and_procs_smoke(tmp_path):
+    """``bench_engram.py --sizes --procs`` at smoke sizes on one CPU device: every size has each runnable host
+    path's rate (finite, with its share of the path's best), the host-memory baseline, the CPU-gather ceiling row
+    (measured or a stated skip), and every process count of the multi-process gather (plumbing only)."""
+    out = tmp_path / "sizes.json"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_engram.py"), "--tiny", "--sizes", "--procs", "1,2",
+                        "--out", str(out)], cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    import math
+    sizes = sorted({r["size_gib"] for r in res["sizes"]})
+    assert len(sizes) == 2
+    for s in sizes:
+        at = {r["impl"]: r for r in res["sizes"] if r["size_gib"] == s}
+        r = at["engram lookup (gpu)"]
+        assert math.isfinite(r["gbps"]) and r["gbps"] > 0 and 0 < r["pct_own_best"] <= 100 and r["verified"], r
+        assert at["jnp.take on pinned_host (compute_on)"].get("gbps"), at
+        c = at["ceiling: CPU gather alone"]
+        assert c.get("gbps") or c["detail"].get("skipped"), c
+    assert max(r["pct_own_best"] for r in res["sizes"] if r.get("pct_own_best")) == 100
+    assert [r["processes"] for r in res["procs"]] == [1, 2]
+    assert all(r.get("total_gbps") or r.get("skipped") for r in res["procs"]), res["procs"]
+    assert "summary (issue 27 goal 2" in p.stdout
+
+
+def test_bench_ep_one_rank_cpu_run(tmp_path):
+    """bench_ep.py --one-rank --smoke on one CPU device: every variant timed (ours both layouts, the native kernels
+    forced, the plain-JAX permute), the HBM floor and the ratios recorded, ours == native bit for bit."""
+    out = tmp_path / "ep1.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, os.path.join(BENCH, "bench_ep.py"), "--one-rank", "--smoke", "--loop", "2", "--iters", "1",
+           "--out", str(out)]
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    variants = {r["variant"] for r in res["one_rank"]}
+    assert variants == {"ours expand", "ours non-expand", "native expand", "native non-expand", "plain-JAX permute"}
+    assert res["copy_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])
+    assert res["checks"] and all(v for c in res["checks"].values() for v in c.values()), res["checks"]
+    assert "ours == native in every shape" in p.stdout

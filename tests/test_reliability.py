@@ -64,6 +64,8 @@ def test_init_close_and_failed_init_leak_nothing_cpu():
     res = _result(_run("leak_check.py", "--platform", "cpu", "--cpu-devices", "4", "--cycles", "20",
                        env={"JAX_PLATFORMS": "cpu"}))
     _assert_no_leaks(res, 20)
+    # the host gather pools: started by the cycles' fetches, joined by every close
+    assert res["hostgather_threads_while_open"] > 0 and res["hostgather_threads_after"] == 0, res
     assert res["memfd_maps_while_open"] > 0, "the mapping counter sees nothing of a live context"
 
 

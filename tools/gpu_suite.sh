@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check jax_engram on the GPU machine in one call; logs under $OUT (or ./gpu_out).
-#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|engram_gather|ep|scaleout|reliability|probe|probe_engram|probe_reduce|bench_engram|bench_engram_overlap|bench_ep|bench_ep_fair|peer_deepep]...
+#   bash tools/gpu_suite.sh [foundation|foundation_gpu|engram|engram_1gpu|engram_gather|ep|scaleout|reliability|probe|probe_engram|probe_reduce|bench_engram|bench_engram_overlap|bench_engram_sizes|bench_model|bench_model_bf16|bench_ep|bench_ep_fair|peer_deepep]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -69,6 +69,27 @@ for what in "${@:-foundation}"; do
     bench_engram_overlap)  # issue 20's table on one GPU, host placement
       CUDA_VISIBLE_DEVICES=0 timeout 420 $PY benchmarks/bench_engram.py --overlap --out "$OUT/bench_engram_overlap.json" > "$OUT/bench_engram_overlap.log" 2>&1
       log "bench_engram --overlap rc=$?"; sed -n '/^Engram fetch beside/,$p' "$OUT/bench_engram_overlap.log" | head -80 ;;
+    bench_model)  # issue 27 goal 1 on one GPU: 16-layer step, Engram at 1 and 14, FP8 rows, 2 x 24 GiB host tables,
+                  # T 4096 and 512, forward and training, every variant (~5 min with the fill); the table last
+      mkdir -p "$OUT/bench_model"
+      CUDA_VISIBLE_DEVICES=0 timeout 470 $PY benchmarks/bench_model.py --out "$OUT/bench_model/model.json" > "$OUT/bench_model.log" 2>&1
+      log "bench_model rc=$?"; grep -E "^# |ceiling" "$OUT/bench_model.log" | tee -a "$OUT/summary.txt"
+      $PY -m jax_engram.bench --replot "$OUT/bench_model" --out-dir "$OUT/bench_model" > /dev/null 2>&1  # the plots
+      sed -n '/^Engram in a model step/,$p' "$OUT/bench_model.log" | grep . || tail -30 "$OUT/bench_model.log" ;;
+    bench_model_bf16)  # the same with bf16 rows (256 B), fewer timed steps
+      mkdir -p "$OUT/bench_model_bf16"
+      CUDA_VISIBLE_DEVICES=0 timeout 470 $PY benchmarks/bench_model.py --row-dtype bf16 --quick --out "$OUT/bench_model_bf16/model.json" > "$OUT/bench_model_bf16.log" 2>&1
+      log "bench_model bf16 rc=$?"; sed -n '/^Engram in a model step/,$p' "$OUT/bench_model_bf16.log" | grep . || tail -30 "$OUT/bench_model_bf16.log" ;;
+    bench_engram_sizes)  # issue 27 goals 2, 3, 5, 6 on one GPU: host table 0.125..48 GiB with the same run's ceilings,
+                         # the host gather in 1/2/4 processes, the host paths beside a cuBLAS GEMM, device lookup vs take
+      CUDA_VISIBLE_DEVICES=0 timeout 240 $PY benchmarks/bench_engram.py --sizes --procs 1,2,4 --iters 5 --out "$OUT/bench_engram_sizes.json" > "$OUT/bench_engram_sizes.log" 2>&1
+      log "bench_engram --sizes --procs rc=$?"
+      CUDA_VISIBLE_DEVICES=0 timeout 120 $PY benchmarks/bench_engram.py --overlap --host-paths cpu,gpu --x-kinds gemm --no-baselines --rows-per-rank 16777216 --iters 5 --out "$OUT/bench_engram_cublas.json" > "$OUT/bench_engram_cublas.log" 2>&1
+      log "bench_engram --overlap --host-paths rc=$?"
+      CUDA_VISIBLE_DEVICES=0 timeout 90 $PY benchmarks/bench_engram.py --deepep-only --placements device --no-overlap --out "$OUT/bench_engram_deepep.json" > "$OUT/bench_engram_deepep.log" 2>&1
+      log "bench_engram --deepep-only (device, one rank) rc=$?"
+      grep -E "X=gemm|note|goal 5" "$OUT/bench_engram_cublas.log" "$OUT/bench_engram_deepep.log" | tee -a "$OUT/summary.txt"
+      sed -n '/^Engram host fetch by table size/,$p' "$OUT/bench_engram_sizes.log" ;;
     bench_engram)
       timeout 400 $PY benchmarks/bench_engram.py --out "$OUT/bench_engram.json" > "$OUT/bench_engram.log" 2>&1
       log "bench_engram rc=$?"; tail -40 "$OUT/bench_engram.log" ;;

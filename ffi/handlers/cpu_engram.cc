@@ -1,8 +1,10 @@
 // CPU handlers of the Engram ops: write (barrier, copy the shard into the own window region, barrier), fetch
-// (gather by global id from every peer's region, synchronously) and wait (identity; the buffers are aliased).
+// (gather by global id from every peer's region on the member's host gather pool, waiting for it) and wait (identity; the buffers are aliased).
 // Operands, results and attribute structs are the CUDA handlers' (engram_bindings.h); overlap and the gather
-// configuration have no effect here.
+// configuration have no effect here (host_threads sizes the pool; host_gather and slot are only validated).
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "handlers/common.h"
@@ -11,6 +13,7 @@
 #include "jax_engram/engram_layout.h"
 #include "kernels/cpu/engram.h"
 #include "kernels/cpu/sync.h"
+#include "runtime/host_gather.h"
 
 namespace jax_engram {
 namespace {
@@ -66,13 +69,16 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
                       ffi::ErrorCode::kOutOfRange);
     }
   }
-  cpu::EngramGather g;
+  // The member's host gather pool (the same workers and routine as the CUDA host-table path): rows in work items
+  // of ~kHostGatherItemBytes pulled by the workers, the scale factors by the last one; this thread waits, bounded
+  // by the context timeout. A worker failure fails this op (the context stays usable: nothing is recorded).
+  auto job = std::make_shared<HostGatherJob>();
+  cpu::EngramGather& g = job->g;
   g.ids = ids;
   g.T = T;
   g.E = E;
   g.num_entries = at.num_entries;
   g.nranks = m.nranks;
-  g.peers = a->peers.data();
   g.offset = at.offset;
   g.row_bytes = at.row_bytes;
   g.mode = static_cast<int32_t>(mode);
@@ -81,7 +87,25 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
   g.P = P;
   g.sf_layout = static_cast<int32_t>(at.sf_layout);
   g.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
-  cpu::engram_gather(g);
+  job->peers = a->peers;
+  job->n = T * E;
+  job->item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / std::max<int64_t>(at.row_bytes, 1), 1);
+  job->sf = sf_table != nullptr && P > 0;
+  job->fail = m.host_gather_fail_next.exchange(false);
+  HostGatherPool* pool =
+      HostGatherPool::of(m, at.host_threads > 0 ? static_cast<int>(at.host_threads) : host_gather_default_threads(false));
+  pool->submit(job);
+  if (!job->wait(m.timeout_s)) {
+    job->abandon("timed out");  // items not yet started are skipped
+    return op_error(kOpEngramFetch,
+                    "the host gather on rank " + num(m.rank) + " of " + m.label + " did not finish within the " +
+                        "context timeout (" + num(static_cast<int64_t>(m.timeout_s)) + " s)",
+                    ffi::ErrorCode::kDeadlineExceeded);
+  }
+  if (job->failed())
+    return op_error(kOpEngramFetch, "on rank " + num(m.rank) + " of " + m.label + ": " + job->error() +
+                                        ". The fetch's result is invalid; the context stays usable",
+                    ffi::ErrorCode::kInternal);
   return ffi::Error::Success();
 }
 

@@ -15,8 +15,8 @@ inline auto cuda_context() {
 }
 
 // "<what> failed: cudaErrorX (description)" as an internal error of op.
-inline ffi::Error cuda_failure(int32_t op, const char* what, cudaError_t e) {
-  return op_error(op, std::string(what) + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
+inline ffi::Error cuda_failure(int32_t op, const std::string& what, cudaError_t e) {
+  return op_error(op, what + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
 }
 
 }  // namespace jax_engram

@@ -5,10 +5,13 @@
 //        barrier kernel, copy kernel into the own region (ends with a system fence: published), copy of the
 //        replicated sf table, barrier kernel; all on XLA's stream.
 // fetch: overlap=1 and a side stream: record an event on XLA's stream, make the side stream wait for it, launch
-//        the gather on the side stream (fetch returns at once; XLA work placed before wait overlaps the reads).
-//        overlap=0 (lookup = fetch + wait back to back) or no side stream: the gather runs on XLA's stream.
-// wait:  overlap=1: record an event on the side stream, make XLA's stream wait for it. The data / sf results
-//        alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
+//        the gather on the side stream (fetch returns at once; XLA work placed before wait overlaps the reads),
+//        then record the fetch's slot event there. overlap=0 (lookup = fetch + wait back to back) or no side
+//        stream: the gather runs on XLA's stream. A host-placed table with host_gather=1 (and CPU access to its
+//        segments) takes the host path (engram_host.h: CPU workers + copy engine, no SMs for the rows); else the
+//        GPU gather kernel.
+// wait:  overlap=1: make XLA's stream wait for the fetch's slot event (only that fetch, not later ones; slot 0: for
+//        everything on the side stream so far). The data / sf results alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
 // checked mode: the range check runs on the device; the first bad position is left in the status result, which
 //        engram.py's wait hands to a host callback that fails the call (the context is not poisoned).
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
@@ -22,11 +25,13 @@
 #include <utility>
 
 #include "handlers/common.h"
+#include "handlers/cuda_common.h"
 #include "handlers/engram_bindings.h"
 #include "handlers/engram_validate.h"
 #include "jax_engram/engram_layout.h"
 #include "kernels/cuda/base.h"
 #include "kernels/cuda/engram.cuh"
+#include "kernels/cuda/engram_host.h"
 #include "runtime/cuda_member.h"
 #include "runtime/env.h"
 
@@ -34,10 +39,6 @@ namespace jax_engram {
 namespace {
 
 using namespace engram_validate;
-
-ffi::Error cuda_failure(int32_t op, const std::string& what, cudaError_t e) {
-  return op_error(op, what + " failed: " + cuda_error_string(e), ffi::ErrorCode::kInternal);
-}
 
 const char* gather_name(int32_t g) {
   return g == engram::kGatherTma ? "tma" : g == engram::kGatherSm ? "sm" : g == engram::kGatherSmFew ? "sm_few" : "none";
@@ -61,9 +62,14 @@ ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
 // Events for ordering XLA's stream and the member's side stream (fork: XLA -> side, join: side -> XLA). Our own
 // pair per member, so that an event is never re-recorded by another op between its record and its wait; the
 // mutex keeps each record+wait pair atomic if several host threads drive the same device.
+// Per-slot events: an overlapped fetch records its slot's event after its work on the side stream, and its wait
+// waits for that event only, so a wait never waits for a later fetch (EngramFetchAttrs::slot). cudaStreamWaitEvent
+// takes the event's state at the call, so the next step re-recording the slot is harmless. Like the pair, they
+// live as long as the process (a few per fetch call site).
 struct StreamEvents {
   std::mutex mu;
   cudaEvent_t fork = nullptr, join = nullptr;
+  std::map<int64_t, cudaEvent_t> slots;
 };
 
 ffi::Error stream_events(Member& m, int32_t op, StreamEvents** out) {
@@ -94,6 +100,23 @@ ffi::Error order_after(Member& m, int32_t op, cudaStream_t from, cudaStream_t to
   cudaError_t e = cudaEventRecord(x, from);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(to, x, 0);
   if (e != cudaSuccess) return cuda_failure(op, "ordering XLA's stream and the side stream", e);
+  return ffi::Error::Success();
+}
+
+// Records the slot's event on `side` (after the fetch's work) or makes `stream` wait for it (the wait).
+ffi::Error slot_event(Member& m, int32_t op, int64_t slot, cudaStream_t side, cudaStream_t stream, bool record) {
+  StreamEvents* ev;
+  if (auto e = stream_events(m, op, &ev); !e.success()) return e;
+  std::lock_guard<std::mutex> lock(ev->mu);
+  cudaEvent_t& x = ev->slots[slot];
+  cudaError_t e = cudaSuccess;
+  if (!x) e = cudaEventCreateWithFlags(&x, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    x = nullptr;
+    return cuda_failure(op, "creating the fetch's slot event", e);
+  }
+  e = record ? cudaEventRecord(x, side) : cudaStreamWaitEvent(stream, x, 0);
+  if (e != cudaSuccess) return cuda_failure(op, "ordering the wait after its fetch (slot event)", e);
   return ffi::Error::Success();
 }
 
@@ -158,6 +181,46 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     if (auto e = order_after(m, op, stream, st.side_stream, true); !e.success()) return e;
     run_on = st.side_stream;
   }
+  const uint64_t table_bytes = static_cast<uint64_t>(num_entries) * row_bytes;
+  const bool in_device = region_in_device_segments(*a, static_cast<uint64_t>(offset), table_bytes);
+  if (at.host_gather == engram::kHostGatherCpu && a->cpu_readable &&
+      region_in_host_segments(*a, static_cast<uint64_t>(offset), table_bytes)) {
+    // The host path: CPU workers gather, the copy engine moves the rows (engram_host.h); no SMs for the rows.
+    EngramHostFetchArgs h;
+    h.member = &m;
+    h.state = &st;
+    h.ids = static_cast<const int32_t*>(indices.untyped_data());
+    h.T = T;
+    h.E = E;
+    h.num_entries = num_entries;
+    h.table = a;
+    h.offset = offset;
+    h.row_bytes = row_bytes;
+    h.mode = static_cast<int32_t>(at.mode);
+    h.out = static_cast<uint8_t*>(data->untyped_data());
+    h.sf_table = reinterpret_cast<const uint32_t*>(sf_table);
+    if (sf_table && P > 0) {
+      Allocation* sa = m.alloc(at.sf_alloc_id);
+      const uint64_t sf_bytes = static_cast<uint64_t>(fs.total * P * engram::kSfWordBytes);
+      h.sf_host = sa && sa->cpu_readable && region_in_host_segments(*sa, static_cast<uint64_t>(at.sf_offset),
+                                                                     sf_bytes);
+    }
+    h.P = P;
+    h.sf_layout = static_cast<int32_t>(at.sf_layout);
+    h.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
+    h.status = static_cast<int32_t*>(status->untyped_data());
+    h.threads = static_cast<int>(at.host_threads);
+    std::string what;
+    cudaError_t he = launch_engram_host_fetch(h, run_on, &what);
+    if (he != cudaSuccess) return cuda_failure(op, "the host path (" + what + ")", he);
+    if (engram_trace())
+      std::fprintf(stderr, "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement host overlap %d "
+                   "ran cpu (host gather, sf %s)\n", m.rank, static_cast<long long>(T), static_cast<long long>(E),
+                   static_cast<long long>(row_bytes), static_cast<int>(at.overlap && run_on != stream),
+                   !(sf_table && P > 0) ? "none" : h.sf_host ? "cpu" : "gpu");
+    if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
+    return ffi::Error::Success();
+  }
   EngramFetchArgs f;
   f.ids = static_cast<const int32_t*>(indices.untyped_data());
   f.T = T;
@@ -179,8 +242,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   f.err = nullptr;
   f.rank = m.rank;
   f.sm_count = st.sm_count;
-  f.device_memory = region_in_device_segments(*a, static_cast<uint64_t>(offset),
-                                              static_cast<uint64_t>(num_entries) * row_bytes);
+  f.device_memory = in_device;
   f.timeout_ns = m.timeout_ns();
   f.timeout_err = m.error_device;  // a stalled bulk copy is a device failure, reported like any other
   f.gather = static_cast<int32_t>(at.gather);
@@ -205,6 +267,7 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                  info.sms, static_cast<long long>(info.chunk_bytes), static_cast<long long>(info.chunks),
                  static_cast<long long>(info.smem_bytes));
   }
+  if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
   return ffi::Error::Success();
 }
 
@@ -224,8 +287,12 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
-  if (at.overlap && st.side_stream)
-    if (auto e = order_after(m, op, st.side_stream, stream, false); !e.success()) return e;
+  if (at.overlap && st.side_stream) {
+    // The fetch's own event (slot > 0); else everything on the side stream so far.
+    auto e = at.slot > 0 ? slot_event(m, op, at.slot, st.side_stream, stream, false)
+                         : order_after(m, op, st.side_stream, stream, false);
+    if (!e.success()) return e;
+  }
   // input_output_aliases makes these the same buffers; copy only if XLA gave us distinct ones.
   cudaError_t ce = cudaSuccess;
   if (data_out->untyped_data() != data.untyped_data() && data.size_bytes())
@@ -238,11 +305,6 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
 }
 
 }  // namespace
-
-// Context arguments of every handler here: XLA's stream and the device ordinal.
-inline auto cuda_context() {
-  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramWriteCuda, EngramWriteCuda, bind_engram_write(cuda_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEngramFetchCuda, EngramFetchCuda, bind_engram_fetch(cuda_context()));

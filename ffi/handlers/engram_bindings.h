@@ -29,12 +29,18 @@ struct EngramFetchAttrs {
   // The gather configuration (jax_engram/config.py EngramConfig.ffi_attrs; engram_layout.h Gather / Loads):
   // checked on both backends, used by CUDA only.
   int64_t gather, gather_sms, tma_smem_bytes, sm_loads, sm_blocks_per_sm;
+  // Host-table path (EngramTable.host_path, resolved in Python): 1 = CPU worker threads gather into pinned staging
+  // and the copy engine moves it (no SMs); 0 = the GPU gather above. CUDA uses it for host-placed tables only; the
+  // CPU backend always gathers on its pool. host_threads: pool workers (0 = the backend's default).
+  int64_t host_gather, host_threads;
+  int64_t slot;  // the fetch call site (unique per traced fetch): CUDA orders its wait after this fetch only
 };
 
 // Static attributes of a wait (EngramTable.wait).
 struct EngramWaitAttrs {
   int64_t ctx_id;
   int64_t overlap;  // the fetch's: CUDA joins the side stream back into XLA's; CPU: unused
+  int64_t slot;     // the fetch's slot: CUDA waits for that fetch's work only (not for later fetches)
 };
 
 // Static attributes of the GIN leg of a hierarchical lookup (CUDA only: cuda_engram_gin.cc;
@@ -63,9 +69,11 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("sf_layout"), ::xla::ffi::StructMember<int64_t>("overlap"),
     ::xla::ffi::StructMember<int64_t>("gather"), ::xla::ffi::StructMember<int64_t>("gather_sms"),
     ::xla::ffi::StructMember<int64_t>("tma_smem_bytes"), ::xla::ffi::StructMember<int64_t>("sm_loads"),
-    ::xla::ffi::StructMember<int64_t>("sm_blocks_per_sm"));
+    ::xla::ffi::StructMember<int64_t>("sm_blocks_per_sm"), ::xla::ffi::StructMember<int64_t>("host_gather"),
+    ::xla::ffi::StructMember<int64_t>("host_threads"), ::xla::ffi::StructMember<int64_t>("slot"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_engram::EngramWaitAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
-                                      ::xla::ffi::StructMember<int64_t>("overlap"));
+                                      ::xla::ffi::StructMember<int64_t>("overlap"),
+                                      ::xla::ffi::StructMember<int64_t>("slot"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EngramGinFetchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("window_id"), ::xla::ffi::StructMember<int64_t>("num_entries"),

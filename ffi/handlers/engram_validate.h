@@ -56,6 +56,12 @@ inline ffi::Error check_gather_config(int32_t op, const EngramFetchAttrs& at) {
   if (at.sm_blocks_per_sm < 0 || at.sm_blocks_per_sm > engram::kMaxBlocksPerSm)
     return op_error(op, "sm_blocks_per_sm " + num(at.sm_blocks_per_sm) + " is not in [0, " +
                             num(engram::kMaxBlocksPerSm) + "]");
+  if (at.host_gather != engram::kHostGatherGpu && at.host_gather != engram::kHostGatherCpu)
+    return op_error(op, "bad host_gather " + num(at.host_gather) + " (0 = gpu, 1 = cpu)");
+  if (at.host_threads < 0 || at.host_threads > engram::kMaxHostThreads)
+    return op_error(op, "host_threads " + num(at.host_threads) + " is not in [0, " + num(engram::kMaxHostThreads) +
+                            "]");
+  if (at.slot < 0) return op_error(op, "bad slot " + num(at.slot));
   return ffi::Error::Success();
 }
 

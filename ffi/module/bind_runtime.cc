@@ -10,6 +10,8 @@
 #include "handlers/common.h"
 #include "jax_engram/engram_layout.h"
 #include "jax_engram/ep_layout.h"
+#include "kernels/cpu/engram.h"
+#include "runtime/host_gather.h"
 
 namespace nb = nanobind;
 
@@ -78,6 +80,8 @@ void bind_runtime(nb::module_& m, const char* platform) {
     eg["sf_layouts"] = sf_layouts;
     eg["sf_token_align"] = engram::kSfTokenAlign;
     eg["no_bad_position"] = engram::kNoBadPosition;
+    eg["host_gather_gpu_max_shard_bytes"] = engram::kHostGatherGpuMaxShardBytes;
+    eg["max_host_threads"] = engram::kMaxHostThreads;
     m.attr("engram_layout") = eg;
   }
   // Test hooks: the CUDA push protocol's token ranges, push chunks and copy-engine pieces (ep_layout.h), which the
@@ -192,6 +196,58 @@ void bind_runtime(nb::module_& m, const char* platform) {
     return d;
   });
   m.def("host_id", []() { return host_id(); });
+  // Engram host gathers (runtime/host_gather.h): the test hook, the pool's size, and the host-side measurements
+  // the benchmarks report beside the fetch rates (any machine, also CPU-only).
+  m.def("_test_fail_next_host_gather", [](int64_t ctx) {
+    int n = 0;
+    for (Member* mem : registry().members())
+      if (mem->ctx_id == ctx) {
+        mem->host_gather_fail_next.store(true);
+        ++n;
+      }
+    if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
+  }, nb::arg("ctx_id"), "Test hook: the next host gather job of every local member of the context fails inside "
+                        "its worker.");
+  m.def("host_gather_threads", [](int64_t ctx, int32_t ordinal) {
+    Member* mem = registry().find(ctx, ordinal);
+    if (!mem) throw std::runtime_error("no such member");
+    std::lock_guard<std::mutex> lk(mem->host_gather_mu);
+    return mem->host_gather ? mem->host_gather->threads() : 0;
+  }, nb::arg("ctx_id"), nb::arg("ordinal"), "Worker threads of the member's host gather pool (0: not started).");
+  m.def("host_memory_bandwidth", [](int64_t nbytes, int threads) {
+    cpu::HostBandwidth b;
+    {
+      nb::gil_scoped_release nogil;
+      b = cpu::host_memory_bandwidth(nbytes, threads);
+    }
+    nb::dict d;
+    d["read_gbps"] = b.read_gbps;
+    d["memcpy_gbps"] = b.memcpy_gbps;  // bytes copied (each read and written once) per second
+    d["nt_write_gbps"] = b.nt_write_gbps;
+    d["nbytes"] = nbytes;
+    d["threads"] = threads;
+    return d;
+  }, nb::arg("nbytes"), nb::arg("threads"),
+     "Host memory bandwidth with `threads` threads over two `nbytes` buffers: sequential read, memcpy (bytes copied) "
+     "and non-temporal writes, GB/s (best of 3).");
+  m.def("host_gather_rate", [](int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats) {
+    HostGatherRate r;
+    {
+      nb::gil_scoped_release nogil;
+      r = host_gather_rate(table_bytes, row_bytes, num_rows, threads, repeats);
+    }
+    if (!r.error.empty()) throw std::runtime_error("host_gather_rate: " + r.error);
+    nb::dict d;
+    d["gather_gbps"] = r.gather_gbps;
+    d["seconds"] = r.seconds;
+    d["table_bytes"] = table_bytes;
+    d["row_bytes"] = row_bytes;
+    d["num_rows"] = num_rows;
+    d["threads"] = threads;
+    return d;
+  }, nb::arg("table_bytes"), nb::arg("row_bytes"), nb::arg("num_rows"), nb::arg("threads"), nb::arg("repeats"),
+     "GB/s of the host gather pool's routine: num_rows random rows of a table_bytes host table into a buffer "
+     "(best of `repeats`).");
   nb::dict info;
   info["jaxlib"] = JAX_ENGRAM_BUILD_JAXLIB;
   info["ffi_api"] = nb::make_tuple(JAX_ENGRAM_FFI_MAJOR, JAX_ENGRAM_FFI_MINOR);

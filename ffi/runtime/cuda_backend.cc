@@ -50,6 +50,7 @@ struct Mapping {
   std::vector<size_t> sizes;                         // per segment
   std::vector<CUmemGenericAllocationHandle> handles; // created or imported (released on free)
   size_t mapped = 0;                                 // segments [0, mapped) are mapped
+  bool cpu_readable = true;                          // this process's CPU may read/write its host segments
 };
 
 struct CudaAlloc {
@@ -93,8 +94,12 @@ void release_all(const CudaDriver* d, CudaAlloc& al) {
   release_mapping(d, al.own);
 }
 
-// Maps mp.handles back to back into a fresh reservation and gives `device` read/write access.
-Status map_all(const CudaDriver* d, Mapping& mp, size_t align, int device, const std::string& what) {
+// Maps mp.handles back to back into a fresh reservation and gives `device` read/write access; host segments
+// (kinds from `segs`, the same layout on every rank) also to this process's CPU (host NUMA node `numa`), so that
+// the Engram host path's worker threads gather from them. A driver that refuses the CPU grant leaves
+// mp.cpu_readable false (fetches then use the GPU gather) instead of failing the allocation.
+Status map_all(const CudaDriver* d, Mapping& mp, size_t align, int device, const std::string& what,
+               const std::vector<SegmentSpec>& segs, int numa) {
   CUresult r = d->cuMemAddressReserve(&mp.va, mp.bytes, align, 0, 0);
   if (r != CUDA_SUCCESS) {
     mp.va = 0;
@@ -116,6 +121,17 @@ Status map_all(const CudaDriver* d, Mapping& mp, size_t align, int device, const
   if (r != CUDA_SUCCESS)
     return "cuMemSetAccess(read/write for GPU " + std::to_string(device) + ") on " + what + " failed: " +
            cu_error_string(r);
+  off = 0;
+  for (size_t i = 0; i < mp.sizes.size(); ++i) {
+    if (i < segs.size() && segs[i].kind == SegmentKind::kHost) {
+      CUmemAccessDesc both[2] = {acc, {}};
+      both[1].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+      both[1].location.id = numa < 0 ? 0 : numa;
+      both[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if (d->cuMemSetAccess(mp.va + off, mp.sizes[i], both, 2) != CUDA_SUCCESS) mp.cpu_readable = false;
+    }
+    off += mp.sizes[i];
+  }
   return {};
 }
 
@@ -217,6 +233,9 @@ class CudaBackend final : public Backend {
       const CudaDriver* drv = cuda_driver(nullptr);
       st->stream_mem_ops = drv && drv->cuStreamWriteValue64 &&
                            cu_device_attribute(st->device, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, 0) != 0;
+      // 32-bit stream memory operations (v2 API) are supported on every device of the drivers that export the
+      // entry point; without it the host path gathers synchronously in its host function (engram_host.h).
+      st->stream_wait_value = drv && drv->cuStreamWaitValue32;
     }
     m.error_host = static_cast<ErrorRecord*>(st->error_alloc);
     m.error_device = static_cast<ErrorRecord*>(dev_ptr);
@@ -239,6 +258,7 @@ class CudaBackend final : public Backend {
       st.ep_joins[i] = nullptr;
       st.ep_copy_streams[i] = nullptr;
     }
+    st.host_fetch.reset();  // pinned staging (the registry already joined the host gather pool)
     if (st.side_event) cudaEventDestroy(st.side_event);
     if (st.side_stream) cudaStreamDestroy(st.side_stream);
     if (st.error_alloc) cudaFreeHost(st.error_alloc);
@@ -320,7 +340,7 @@ class CudaBackend final : public Backend {
                  " failed: " + cu_error_string(cr);
         mp.handles.push_back(h);
       }
-      Status s = map_all(d, mp, al->align, st.device, "the memory of " + who);
+      Status s = map_all(d, mp, al->align, st.device, "the memory of " + who, a.segments, st.host_numa_id);
       if (!s.empty())
         return s + ". GPU " + std::to_string(st.device) + " may not reach GPU " + std::to_string(e.device) +
                " of the other process (no peer access between them?)";
@@ -335,6 +355,16 @@ class CudaBackend final : public Backend {
     ce = cudaMemcpy(al->peers_device, a.peers.data(), bytes, cudaMemcpyHostToDevice);
     if (ce != cudaSuccess) return "copying the peer table to the GPU failed: " + cuda_error_string(ce);
     a.peers_device = al->peers_device;
+    // Same-process peers' memory is their own mapping (CPU access granted by its creator).
+    a.cpu_readable = al->own.cpu_readable;
+    for (const Mapping& mp : al->imports) a.cpu_readable = a.cpu_readable && mp.cpu_readable;
+    for (size_t r = 0; r < peers.size(); ++r) {
+      if (peers[r].pid != my_pid || static_cast<int>(r) == m.rank || !a.peers[r]) continue;
+      Member* peer = reg.find(m.ctx_id, static_cast<int32_t>(peers[r].device));
+      Allocation* pa = peer ? peer->alloc(a.id) : nullptr;
+      auto pal = pa ? std::static_pointer_cast<CudaAlloc>(pa->backend_state) : nullptr;
+      if (!pal || !pal->own.cpu_readable) a.cpu_readable = false;
+    }
     return {};
   }
 
@@ -428,7 +458,7 @@ class CudaBackend final : public Backend {
       mp.bytes += s.bytes;
     }
     al.align = align;
-    Status s = map_all(d, mp, align, st.device, "own memory");
+    Status s = map_all(d, mp, align, st.device, "own memory", a.segments, st.host_numa_id);
     if (!s.empty()) return s;
     // Zero-fill on our side stream (does not wait for XLA's work on the device).
     cudaError_t e = cudaMemsetAsync(reinterpret_cast<void*>(mp.va), 0, mp.bytes, st.side_stream);

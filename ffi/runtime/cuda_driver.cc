@@ -60,6 +60,7 @@ Loaded& loaded() {
     x->error = err;
     std::string optional_err;
     if (!resolve("cuStreamWriteValue64", &t.cuStreamWriteValue64, &optional_err)) t.cuStreamWriteValue64 = nullptr;
+    if (!resolve("cuStreamWaitValue32", &t.cuStreamWaitValue32, &optional_err)) t.cuStreamWaitValue32 = nullptr;
     return x;
   }();
   return *l;

@@ -36,6 +36,10 @@ struct CudaMemberState {
   // EP graph-target calls captured into a CUDA graph (handlers/cuda_ep.cc), per op: dispatch, cached dispatch, combine
   std::atomic<uint64_t> graph_captures[3] = {};
   bool stream_mem_ops = false;           // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS and the entry point
+  bool stream_wait_value = false;        // cuStreamWaitValue32 resolved and stream memory operations supported
+  // Engram host path (kernels/cuda/engram_host.h): pinned staging per stream, freed by destroy_member (after the
+  // registry joined the host gather pool).
+  std::shared_ptr<void> host_fetch;
   void* error_alloc = nullptr;           // cudaHostAlloc(Mapped) block holding the ErrorRecord
 
   // Device properties, read once at init.

@@ -1,4 +1,5 @@
 #include "runtime/runtime.h"
+#include "runtime/host_gather.h"
 
 #include <unistd.h>
 
@@ -44,6 +45,7 @@ Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
   // No new handler can acquire the member now; wait (bounded) for those still executing.
   for (int i = 0; raw->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
   Status q = backend_->quiesce(*raw);
+  stop_host_gather(*raw);  // after the quiesce: a stream still waiting on a host gather's flags was released
   {
     std::unique_lock lock(mu_);
     auto it = members_.find({ctx, ordinal});
@@ -196,6 +198,10 @@ std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_ex
     case kErrIdOutOfRange:
       s += "index out of range in mode='checked': id " + to_string(e.observed) + " at flat position " +
            to_string(e.detail) + " is not in [0, " + to_string(e.expected) + ")";
+      break;
+    case kErrHostGather:
+      s += "a worker of the host gather pool failed while gathering the rows of a host-table fetch (" +
+           to_string(e.detail) + " work items), so that fetch's rows are invalid";
       break;
     case kErrSequence:
       s += "the handler counted " + to_string(e.expected) + " dispatch calls on this context but the device " +

@@ -38,6 +38,7 @@ struct Export {
 };
 
 struct Member;
+class HostGatherPool;
 
 // One member's view of one symmetric allocation: its own memory and a pointer to every peer's.
 struct Allocation {
@@ -48,19 +49,29 @@ struct Allocation {
   std::vector<uint8_t*> peers;           // peers[r]: rank r's memory as mapped in this member's view
                                          // (nullptr: not reachable by loads/stores, e.g. another host)
   void* peers_device = nullptr;          // device-readable array of `peers` (CUDA); peers.data() on CPU
+  bool cpu_readable = true;              // this process's CPU threads may read every peer's host segments through
+                                         // `peers` (CUDA: granted at mapping; false if the driver refused)
   Export exported;                       // what we published (fds closed by close_exports)
   std::shared_ptr<void> backend_state;   // handles, imported mappings: released by Backend::free_alloc
 };
 
-// True if [off, off + bytes) of the allocation lies in device (HBM) segments only.
-inline bool region_in_device_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+// True if [off, off + bytes) of the allocation lies in segments of `kind` only.
+inline bool region_in_segments(const Allocation& a, uint64_t off, uint64_t bytes, SegmentKind kind) {
   uint64_t base = 0;
   for (const SegmentSpec& seg : a.segments) {
     const uint64_t end = base + seg.bytes;
-    if (off < end && off + bytes > base && seg.kind != SegmentKind::kDevice) return false;
+    if (off < end && off + bytes > base && seg.kind != kind) return false;
     base = end;
   }
   return true;
+}
+// ... in device (HBM) segments only.
+inline bool region_in_device_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+  return region_in_segments(a, off, bytes, SegmentKind::kDevice);
+}
+// ... in host segments only (CPU-readable where Allocation::cpu_readable).
+inline bool region_in_host_segments(const Allocation& a, uint64_t off, uint64_t bytes) {
+  return region_in_segments(a, off, bytes, SegmentKind::kHost);
 }
 
 struct Member {
@@ -77,6 +88,11 @@ struct Member {
   std::atomic<int> inflight{0};         // handlers currently executing on this member
   std::atomic<bool> closing{false};
   std::shared_ptr<void> backend_state;  // streams, NCCL communicator, ...
+  // Worker threads of host-table Engram gathers (runtime/host_gather.h): created at first use, joined by
+  // destroy_member after the backend's quiesce.
+  std::mutex host_gather_mu;
+  std::shared_ptr<HostGatherPool> host_gather;
+  std::atomic<bool> host_gather_fail_next{false};  // test hook: the next host gather job fails in its worker
 
   uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
   Allocation* alloc(int64_t id) {

@@ -1,15 +1,18 @@
-"""``python -m jax_engram.bench engram|ep|all``: run the benchmarks and write a report (table, JSON, PNG plots).
+"""``python -m jax_engram.bench engram|ep|model|all``: run the benchmarks and write a report (table, JSON, PNG plots).
 
 Examples::
 
     python -m jax_engram.bench all --smoke                       # tiny sizes, CPU when there is no GPU
+    python -m jax_engram.bench model --out-dir out               # Engram in a 16-layer model step (one GPU)
+    python -m jax_engram.bench model --smoke --platform cpu      # the same on 4 CPU devices, seconds
     python -m jax_engram.bench ep --out-dir out                  # one process over every local GPU
     python -m jax_engram.bench engram -- --deepep-only           # arguments after -- go to the script
     python -m jax_engram.bench ep --processes 2 --platform cuda  # one process per GPU (jax_engram.launch)
     python -m jax_engram.bench --replot benchmarks/results       # tables and plots from saved JSON only
 
 Files in ``--out-dir`` (default ``bench_out``): ``<name>.json`` (the script's results), ``<name>.log`` (its
-whole output), the plots (``engram_device.png``, ``engram_host.png``, ``ep_dispatch.png``, ``ep_combine.png``)
+whole output), the plots (``engram_device.png``, ``engram_host.png``, ``ep_dispatch.png``, ``ep_combine.png``,
+``model_step.png``)
 and ``report.json`` (what ran, exit codes, wall times, file names). Exit status 0 only if every benchmark
 exited 0.
 """
@@ -25,21 +28,25 @@ from pathlib import Path
 
 from jax_engram.bench import report
 
-SCRIPTS = {"engram": "bench_engram.py", "ep": "bench_ep.py"}
-SMOKE_ARGS = {"engram": ["--tiny"], "ep": ["--smoke"]}
+# "all" runs engram and ep; model (48 GiB of host tables by default) runs when named.
+SCRIPTS = {"engram": "bench_engram.py", "ep": "bench_ep.py", "model": "bench_model.py"}
+SMOKE_ARGS = {"engram": ["--tiny"], "ep": ["--smoke"], "model": ["--smoke"]}
 # JSON names the scripts write (bench_*.py --out); results/ in the repository uses the *_2xh200 names.
-JSON_NAMES = {"engram": ("engram.json", "engram_2xh200.json"), "ep": ("ep.json", "ep_2xh200.json")}
+JSON_NAMES = {"engram": ("engram.json", "engram_2xh200.json"), "ep": ("ep.json", "ep_2xh200.json"),
+              "model": ("model.json", "model_h200.json")}
+TABLES = {"engram": report.engram_table, "ep": report.ep_table, "model": report.model_table}
+PLOTS = {"engram": report.plot_engram, "ep": report.plot_ep, "model": report.plot_model}
 
 
 def find_scripts(explicit: str | None = None) -> Path:
-    """The directory holding bench_engram.py and bench_ep.py: ``explicit``, else the source checkout's
+    """The directory holding the benchmark scripts (SCRIPTS): ``explicit``, else the source checkout's
     ``benchmarks/`` beside the package, else the copy installed with the package (``bench/scripts``)."""
     here = Path(__file__).resolve().parent
     cands = ([Path(explicit)] if explicit else []) + [here.parents[1] / "benchmarks", here / "scripts"]
     for c in cands:
         if all((c / s).is_file() for s in SCRIPTS.values()):
             return c
-    raise SystemExit("python -m jax_engram.bench: benchmark scripts (bench_engram.py, bench_ep.py) not found in "
+    raise SystemExit(f"python -m jax_engram.bench: benchmark scripts ({', '.join(SCRIPTS.values())}) not found in "
                      + ", ".join(str(c) for c in cands) + "; pass --scripts DIR")
 
 
@@ -98,9 +105,9 @@ def _scrub(res: dict) -> dict:
 
 
 def _render(name: str, res: dict, out_dir: Path) -> tuple[str, list[str]]:
-    table = report.engram_table(res) if name == "engram" else report.ep_table(res)
+    table = TABLES[name](res)
     try:
-        plots = (report.plot_engram if name == "engram" else report.plot_ep)(res, str(out_dir))
+        plots = PLOTS[name](res, str(out_dir))
     except ImportError as e:  # matplotlib missing: the table and JSON still stand; say what is missing
         print(f"bench {name}: no plots ({e}); pip install 'jax-engram[bench]' (matplotlib)", file=sys.stderr)
         plots = []
@@ -187,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_engram.bench", description=__doc__.splitlines()[0].replace("``", ""),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
-    ap.add_argument("which", nargs="?", choices=["engram", "ep", "all"], default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (bench_engram --tiny, bench_ep --smoke): "
+    ap.add_argument("which", nargs="?", choices=["engram", "ep", "model", "all"], default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (bench_engram --tiny, bench_ep / bench_model --smoke): "
                     "checks the plumbing in a minute on CPU, measures nothing meaningful")
     ap.add_argument("--out-dir", default="bench_out", help="where the JSON, logs and plots go (default bench_out)")
     ap.add_argument("--platform", choices=["auto", "cpu", "cuda"], default="auto",
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=1, help="run under jax_engram.launch with this many processes")
     ap.add_argument("--devices-per-process", type=int, default=1, help="with --processes")
     ap.add_argument("--timeout", type=float, default=3600.0, help="with --processes: the launcher's timeout")
-    ap.add_argument("--scripts", default=None, help="directory holding bench_engram.py and bench_ep.py")
+    ap.add_argument("--scripts", default=None, help="directory holding the bench_*.py scripts")
     ap.add_argument("--replot", metavar="DIR", default=None,
                     help="make the tables and plots from the JSON in DIR (no benchmark runs)")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the scripts' output instead of a progress bar")
@@ -207,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.replot:
         return replot(Path(a.replot), out_dir)
     if a.which is None:
-        ap.error("say which benchmark: engram, ep or all (or --replot DIR)")
+        ap.error("say which benchmark: engram, ep, model or all (or --replot DIR)")
     names = ["engram", "ep"] if a.which == "all" else [a.which]
     if extra and len(names) > 1:
-        ap.error("arguments after -- go to one script: use engram or ep, not all")
+        ap.error("arguments after -- go to one script: use engram, ep or model, not all")
     scripts = find_scripts(a.scripts)
     runs = [run_one(n, scripts, a, out_dir, extra) for n in names]
     (out_dir / "report.json").write_text(json.dumps(dict(runs=runs), indent=1) + "\n")

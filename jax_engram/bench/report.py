@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-__all__ = ["engram_table", "ep_table", "plot_engram", "plot_ep", "render_table"]
+__all__ = ["engram_table", "ep_table", "model_table", "plot_engram", "plot_ep", "plot_model", "render_table"]
 
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -55,7 +55,7 @@ def engram_rows(res: dict) -> list[dict]:
         if r["impl"] == "engram fetch+wait":
             d.update(us=r["us"], gbps=r.get("remote_gbps"), pct_ceil=r.get("pct_ceil"), speedup=r.get("speedup"),
                      verified=r.get("verified"))
-        elif r["impl"] in ("gspmd take", "all_to_all lookup"):
+        elif r["impl"] in ("gspmd take", "all_to_all lookup", "pinned_host take"):
             d[r["impl"]] = us
     return [by_key[k] for k in sorted(by_key, key=lambda k: (str(k[0]), k[1] or 0, k[2] or 0))]
 
@@ -64,11 +64,19 @@ def engram_table(res: dict) -> str:
     env = res.get("env", {})
     cols = [("placement", "placement", None), ("hidden", "hidden", None), ("T", "T", None),
             ("KiB", "KiB/rank", ".1f"), ("us", "engram us", ".2f"), ("gspmd take", "gspmd take us", ".1f"),
-            ("all_to_all lookup", "all_to_all us", ".1f"), ("gbps", "remote GB/s", ".1f"),
+            ("all_to_all lookup", "all_to_all us", ".1f"), ("pinned_host take", "pinned_host take us", ".1f"),
+            ("gbps", "remote GB/s", ".1f"),
             ("pct_ceil", "% ceiling", ".1f"), ("speedup", "speedup", ".1f"), ("verified", "verified", None)]
     title = (f"Engram lookup: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
              f"E={res.get('args', {}).get('E')}, jax {env.get('jax')}")
-    return render_table(engram_rows(res), cols, title)
+    out = [render_table(engram_rows(res), cols, title)] if res.get("rows") else []
+    if res.get("sizes"):
+        out.append(render_table(res["sizes"], [("impl", "impl", None), ("size_gib", "table GiB", ".3g"),
+                                               ("us", "us", ".1f"), ("gbps", "GB/s", ".1f"),
+                                               ("pct_own_best", "% own best", ".0f"), ("pct_link", "% link", ".0f")],
+                                f"Engram host fetch by host table size per rank ({env.get('device_kind')}, "
+                                f"{env.get('backend')})"))
+    return "\n\n".join(out)
 
 
 def ep_rows(res: dict) -> list[dict]:
@@ -134,6 +142,14 @@ def _panel(ax, series: list[tuple[str, list[tuple[float, float | None]], dict]],
     ax.legend(fontsize=7)
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ours(**kw) -> dict:
     return dict(marker="o", linewidth=2, **kw)
 
@@ -143,31 +159,44 @@ def _base(**kw) -> dict:
 
 
 def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
-    """One PNG per placement: latency and link bandwidth vs KiB per rank, at the hidden size of the T sweep
-    (the most common hidden in the run); our lookup, the baselines, and the same-run ceiling. Returns paths."""
+    """One PNG per placement: latency and bandwidth vs KiB per rank, at the hidden size of the T sweep (the most
+    common hidden in the run); our lookup, the baselines of that placement (device: takes from HBM; host: the
+    host-memory take) and the same-run ceiling (none on CPU). At one rank a device table's rows are all local: its
+    bandwidth panel shows local GB/s against the HBM copy ceiling. A --sizes run adds ``<prefix>_sizes.png``: GB/s
+    per host path against host table size with the CPU-only gather and the link. Returns the paths."""
     plt = _pyplot()
     rows = [r for r in res.get("rows", []) if "us" in r]
+    paths = _plot_engram_sizes(res, out_dir, prefix, plt) if res.get("sizes") else []
     if not rows:
-        return []
+        return paths
     hiddens = [r["hidden"] for r in rows]
     h0 = max(set(hiddens), key=hiddens.count)
     ranks = res.get("ranks") or 1
     env = res.get("env", {})
+    gpu = env.get("backend") not in (None, "cpu")
     ceil = res.get("ceilings", {})
-    paths = []
     for placement in sorted({r["placement"] for r in rows}):
         sel = [r for r in rows if r["placement"] == placement and r["hidden"] == h0]
-        remote = (ranks - 1) / ranks if placement == "device" else 1.0
-        if placement == "device":
+        local = placement == "device" and ranks == 1
+        remote = 1.0 if local else ((ranks - 1) / ranks if placement == "device" else 1.0)
+        if local:
+            cg = ((ceil.get("local_hbm") or {}).get("copy") or {}).get("gbps"), "HBM copy (bytes counted once)"
+            bw_label = "GB/s read from local HBM"
+        elif placement == "device":
             p = ceil.get("p2p", {})
             cg = (p.get("bidir") or {}).get("per_direction_gbps"), "P2P copy per direction, both ways busy"
+            bw_label = "GB/s over the link (remote rows)"
         else:
             h = ceil.get("host_to_device", {})
             cg = (h.get("h2d") or {}).get("gbps"), "pinned host -> device copy"
+            bw_label = "GB/s over the link (host rows)"
+        if not gpu:
+            cg = None  # a CPU run has no GPU ceilings
+        impls = ((("gspmd take", "tab:orange"), ("all_to_all lookup", "tab:green")) if placement == "device"
+                 else (("pinned_host take", "tab:orange"),))
         lat, bw = [], []
-        for impl, style in (("engram fetch+wait", _ours(color="tab:blue")),
-                            ("gspmd take", _base(color="tab:orange")),
-                            ("all_to_all lookup", _base(color="tab:green"))):
+        for impl, style in (("engram fetch+wait", _ours(color="tab:blue")),) + tuple(
+                (i, _base(color=c)) for i, c in impls):
             pts = [(r["bytes"] / 1024.0, r["us"] if r.get("us_call") is None or impl.startswith("engram")
                     else min(r["us"], r["us_call"])) for r in sel if r["impl"] == impl]
             label = "jax_engram lookup" if impl.startswith("engram") else f"JAX {impl}"
@@ -177,15 +206,35 @@ def plot_engram(res: dict, out_dir: str, prefix: str = "engram") -> list[str]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
         xl = f"KiB looked up per rank (hidden {h0}, E={res.get('args', {}).get('E')}, T varies)"
         _panel(a1, lat, None, "µs per lookup", xl)
-        _panel(a2, bw, cg, "GB/s over the link (remote rows)", xl)
+        _panel(a2, bw, cg if cg and cg[0] else None, bw_label, xl)
         fig.suptitle(f"Engram lookup, placement={placement}: {ranks} ranks, {env.get('device_kind')} "
                      f"({env.get('backend')}), jax {env.get('jax')}", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{prefix}_{placement}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{prefix}_{placement}.png"))
     return paths
+
+
+def _plot_engram_sizes(res: dict, out_dir: str, prefix: str, plt) -> list[str]:
+    rows = [r for r in res["sizes"] if r.get("gbps")]
+    if not rows:
+        return []
+    env = res.get("env", {})
+    gpu = env.get("backend") not in (None, "cpu")
+    series = []
+    colors = iter(("tab:blue", "tab:purple", "tab:orange", "tab:green", "tab:red", "tab:gray"))
+    for impl in sorted({r["impl"] for r in rows}):
+        style = (_ours if impl.startswith("engram") else _base)(color=next(colors, "black"))
+        series.append((impl, [(r["size_gib"], r["gbps"]) for r in rows if r["impl"] == impl], style))
+    link = ((res.get("ceilings") or {}).get("host_to_device") or {}).get("h2d", {}).get("gbps")
+    fig, ax = plt.subplots(1, 1, figsize=(7.5, 4.8))
+    _panel(ax, series, (link, "pinned host -> device copy") if gpu and link else None, "GB/s of rows fetched",
+           f"host table GiB per rank ({rows[0]['bytes'] / 2**20:.1f} MiB of {rows[0]['row_bytes']}-B rows per fetch)")
+    hm = (res.get("ceilings") or {}).get("host_memory") or {}
+    if hm.get("memcpy_gbps"):
+        ax.axhline(hm["memcpy_gbps"], color="gray", linestyle="-.", linewidth=1,
+                   label=f"host memcpy ({hm.get('threads')} threads)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Engram host fetch by table size: {env.get('device_kind')} ({env.get('backend')})", fontsize=10)
+    return [_save(plt, fig, out_dir, f"{prefix}_sizes.png")]
 
 
 def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
@@ -234,9 +283,96 @@ def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
         _panel(a2, bw, (c1, "P2P copy, one way") if c1 else None, "GB/s received from other ranks", xl)
         fig.suptitle(f"EP {op}: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
                      f"jax {env.get('jax')}", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{prefix}_{op}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{prefix}_{op}.png"))
     return paths
+
+
+# ------------------------------------------------------------------------------------------- model step
+def model_rows(res: dict) -> list[dict]:
+    """One row per (table size, variant): ms and overhead % against ``resident`` and ``none`` per (T, mode)."""
+    by: dict[tuple, dict] = {}
+    for r in res.get("steps", []):
+        key = (r.get("table_gib"), r["variant"])
+        d = by.setdefault(key, dict(table_gib=r.get("table_gib"), variant=r["variant"]))
+        col = f"T{r['T']} {r['mode']}"
+        if "ms" in r:
+            d[f"{col} ms"] = r["ms"]
+            d[f"{col} vs res"] = r.get("vs_resident_pct")
+            d[f"{col} vs none"] = r.get("vs_none_pct")
+        else:
+            d[f"{col} ms"] = None
+            d["skipped"] = "skipped" if r.get("skipped") else "error"
+    for d in by.values():
+        d.setdefault("skipped", "")
+    order = {}
+    for i, r in enumerate(res.get("steps", [])):
+        order.setdefault(r["variant"], i)
+    return [by[k] for k in sorted(by, key=lambda k: (k[0] or 0, order.get(k[1], 0)))]
+
+
+def model_table(res: dict) -> str:
+    """The model benchmark's table (benchmarks/bench_model.py): variant x (T, fwd/train), ms and overhead %."""
+    env, cfg = res.get("env", {}), res.get("config", {})
+    cols_seen = []
+    for r in res.get("steps", []):
+        c = f"T{r['T']} {r['mode']}"
+        if c not in cols_seen:
+            cols_seen.append(c)
+    cols = [("table_gib", "table GiB", ".3g"), ("variant", "variant", None)]
+    for c in cols_seen:
+        cols += [(f"{c} ms", f"{c} ms", ".2f"), (f"{c} vs res", "vs resident %", "+.1f"),
+                 (f"{c} vs none", "vs none %", "+.1f")]
+    cols.append(("skipped", "", None))
+    tinfo = res.get("tables") or [{}]
+    title = (f"Engram in a model step: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
+             f"jax {env.get('jax')}; {cfg.get('layers')} layers, hidden {cfg.get('hidden')}, Engram at "
+             f"{cfg.get('engram_layers')}, E={cfg.get('E')}, {cfg.get('row_dtype')} rows of {cfg.get('row_bytes')} B, "
+             f"{len(cfg.get('engram_layers') or [])} host tables of {tinfo[0].get('rows_per_table')} rows")
+    out = [render_table(model_rows(res), cols, title)]
+    fetch = [dict(r, note=r.get("skipped") or r.get("error") or "") for r in res.get("fetch", [])]
+    if fetch:
+        h2d = (res.get("ceilings") or {}).get("h2d_gbps")
+        out.append("")
+        out.append(render_table(fetch, [("table_gib", "table GiB", ".3g"), ("T", "T", None), ("path", "fetch alone", None),
+                                        ("bytes", "bytes", None), ("ms", "ms", ".3f"), ("gbps", "GB/s", ".1f"),
+                                        ("pct_link", "% link", ".0f"), ("note", "", None)],
+                                f"Fetch alone (every Engram layer's rows, scale packs included); link (pinned host "
+                                f"-> device, same run): {'n/a' if not h2d else f'{h2d:.1f} GB/s'}"))
+    out += [f"note: {n}" for n in res.get("notes", [])]
+    return "\n".join(out)
+
+
+def plot_model(res: dict, out_dir: str, prefix: str = "model") -> list[str]:
+    """One PNG: overhead % against ``resident`` vs table size per (variant, T, mode), and each path's fetch GB/s vs
+    table size with the same run's link ceiling (none on CPU). Returns the paths."""
+    plt = _pyplot()
+    steps = [r for r in res.get("steps", []) if r.get("vs_resident_pct") is not None and r["variant"] != "resident"]
+    if not steps:
+        return []
+    env, cfg = res.get("env", {}), res.get("config", {})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    keys = sorted({(r["variant"], r["T"], r["mode"]) for r in steps}, key=str)
+    for v, T, mode in keys:
+        pts = sorted((r["table_gib"], r["vs_resident_pct"]) for r in steps
+                     if (r["variant"], r["T"], r["mode"]) == (v, T, mode))
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if mode == "train" else "--",
+                label=f"{v} T={T} {mode}")
+    a1.axhline(1.0, color="black", linestyle=":", linewidth=1, label="goal: +1 %")
+    a1.set_xscale("log", base=2)
+    a1.set_xlabel("host rows in all (GiB)")
+    a1.set_ylabel("step time vs Engram math on resident rows (%)")
+    a1.grid(True, which="both", alpha=0.3)
+    a1.legend(fontsize=6, ncol=2)
+    series = []
+    fetch = [r for r in res.get("fetch", []) if r.get("gbps")]
+    for path, T in sorted({(r["path"], r["T"]) for r in fetch}, key=str):
+        series.append((f"{path} T={T}", [(r["table_gib"], r["gbps"]) for r in fetch
+                                         if (r["path"], r["T"]) == (path, T)],
+                       _ours() if path != "take_hbm" else _base()))
+    h2d = (res.get("ceilings") or {}).get("h2d_gbps")
+    gpu = env.get("backend") not in (None, "cpu")
+    _panel(a2, series, (h2d, "pinned host -> device copy") if gpu and h2d else None, "fetch GB/s",
+           "host rows in all (GiB)")
+    fig.suptitle(f"Engram in a model step: {env.get('device_kind')} ({env.get('backend')}), {cfg.get('layers')} layers, "
+                 f"hidden {cfg.get('hidden')}, {cfg.get('row_dtype')} rows", fontsize=10)
+    return [_save(plt, fig, out_dir, f"{prefix}_step.png")]

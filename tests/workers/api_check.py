@@ -11,9 +11,10 @@ import inspect
 import json
 import os
 import sys
-import traceback
 import typing
 import warnings
+
+from _harness import Checks
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu-devices", type=int, default=2)
@@ -35,22 +36,8 @@ from jax_engram import layers as L  # noqa: E402
 R = args.cpu_devices
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
 ctx = je.init(mesh, "ep", timeout_s=args.timeout)
-checks: dict[str, bool] = {}
-
-
-def check(name):
-    def deco(fn):
-        if args.only and name not in args.only.split(","):
-            return fn
-        try:
-            fn()
-            ok, detail = True, ""
-        except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        checks[name] = ok
-        print(f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail}".rstrip(), flush=True)
-        return fn
-    return deco
+checks = Checks(select=lambda name: not args.only or name in args.only.split(","))
+check = checks.case
 
 
 def smap(f, in_specs, out_specs):
@@ -197,7 +184,9 @@ def _():
            je.EngramTable.__init__, je.EngramTable.write, je.EngramTable.fetch, je.EngramTable.wait,
            je.EngramTable.lookup, je.EngramTable.write_global, je.EngramTable.lookup_global, L.engram_ids,
            L.engram_local, L.moe_local, L.route, L.moe_experts, L.moe_layer_reference, L.engram_layer_reference,
-           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__]
+           nn.EngramMemory.__init__, nn.MoE.__init__, nn.EngramMemory.__call__, nn.MoE.__call__,
+           je.engram_prefetch, L.engram_dequantize, L.engram_decode_init, L.engram_decode_ids,
+           nn.EngramMemory.prefetch, nn.EngramMemory.decode_ids]
     missing = []
     for f in fns:
         sig = inspect.signature(f)
@@ -333,5 +322,5 @@ def _():
 
 
 ctx.close()
-print("RESULT " + json.dumps({"checks": checks, "devices": R}), flush=True)
-sys.exit(0 if all(checks.values()) else 1)
+print("RESULT " + json.dumps({"checks": checks.results, "devices": R}), flush=True)
+sys.exit(0 if all(checks.results.values()) else 1)

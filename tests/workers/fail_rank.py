@@ -8,17 +8,11 @@ not after jax's distributed shutdown barrier times out."""
 import os
 import sys
 import time
-from pathlib import Path
 
-try:
-    from jax_engram.launch import initialize
-except ModuleNotFoundError as e:
-    if e.name not in ("jax_engram", "jax_engram.launch"):
-        raise
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jax_engram.launch import initialize
+from _harness import import_launch
 
-cfg = initialize()
+launch = import_launch()
+cfg = launch.initialize()
 rank = cfg.process_id if cfg else 0
 print(f"rank {rank} initialized, pid={os.getpid()}", flush=True)
 mode = sys.argv[1] if len(sys.argv) > 1 else "exit"

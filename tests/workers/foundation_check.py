@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 import time
-import traceback
+
+from _harness import Checks, shard, start
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="auto")
@@ -20,39 +21,29 @@ ap.add_argument("--cycles", type=int, default=20)
 ap.add_argument("--skip-timeout", action="store_true")
 args = ap.parse_args()
 
+cfg = start(args.platform, args.cpu_devices)
 from jax_engram import launch  # noqa: E402
-
-launch.initialize()
 import jax  # noqa: E402
 
-if "JAX_ENGRAM_NUM_PROCESSES" not in os.environ:
-    if args.platform == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+if cfg is None and args.platform != "cpu":
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # CPU devices too, should JAX pick the CPU
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 
-results: dict[str, bool] = {}
+checks = Checks()
+check = checks.run
+results = checks.results
 multi = jax.process_count() > 1
-
-
-def check(name, fn):
-    try:
-        ok, detail = fn()
-    except Exception as e:  # noqa: BLE001
-        ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    results[name] = bool(ok)
-    print(f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail if not ok else ''}".rstrip(), flush=True)
 
 
 def global_blocks(mesh, axis, per_rank):
     """Global array [R*per_rank] sharded along `axis`, value = 1000*global_rank + i, built per process."""
     n = mesh.shape[axis]
     full = (np.arange(n)[:, None] * 1000 + np.arange(per_rank)[None, :]).astype(np.float32).reshape(-1)
-    return jax.make_array_from_callback((n * per_rank,), NamedSharding(mesh, P(axis)), lambda idx: full[idx]), full
+    return shard(full, mesh, P(axis)), full
 
 
 def local_equal(arr, expected_full):

@@ -7,15 +7,10 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-try:
-    from jax_engram.launch import initialize
-except ModuleNotFoundError as e:
-    if e.name not in ("jax_engram", "jax_engram.launch"):
-        raise
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jax_engram.launch import initialize
+from _harness import import_launch
+
+initialize = import_launch().initialize
 
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100000)"])
 print(f"pid={os.getpid()} grandchild_pid={child.pid}", flush=True)

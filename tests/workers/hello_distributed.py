@@ -10,18 +10,10 @@ process ``r`` holds ``[4j, 4j+1, 4j+2, 4j+3] + 100*r``, so the psum (shape (4,))
 Also runs without the launcher (single process, local devices only).
 """
 
-import sys
-from pathlib import Path
+from _harness import import_launch
 
-try:
-    from jax_engram.launch import emit_result, initialize, shutdown
-except ModuleNotFoundError as e:  # run straight from a source checkout: python tests/workers/...
-    if e.name not in ("jax_engram", "jax_engram.launch"):
-        raise
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jax_engram.launch import emit_result, initialize, shutdown
-
-cfg = initialize()  # before anything touches a JAX backend
+launch = import_launch()
+cfg = launch.initialize()  # before anything touches a JAX backend
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,7 +30,7 @@ with jax.set_mesh(mesh):
     out = f(x)
     psum = np.asarray(out.addressable_data(0))
 
-emit_result({
+launch.emit_result({
     "process_index": rank,
     "process_count": jax.process_count(),
     "device_count": n,
@@ -47,4 +39,4 @@ emit_result({
     "launched": cfg is not None,
     "psum": psum.tolist(),
 })
-shutdown()
+launch.shutdown()

@@ -18,18 +18,16 @@ import sys
 import threading
 from pathlib import Path
 
+from _harness import start
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="cpu", choices=["cpu", "cuda"])
 ap.add_argument("--cpu-devices", type=int, default=4)
 ap.add_argument("--cycles", type=int, default=20)
 args = ap.parse_args()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+start(args.platform, args.cpu_devices)
 import jax  # noqa: E402
-
-jax.config.update("jax_platforms", "cuda,cpu" if args.platform == "cuda" else "cpu")
-if args.platform == "cpu":
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -67,6 +65,11 @@ def thread_names() -> dict[str, str]:
         except OSError:
             continue
     return out
+
+
+def hostgather_threads() -> int:
+    """Worker threads of the Engram host gather pools (named by the native module)."""
+    return sum(1 for n in thread_names().values() if n == "je-hostgather")
 
 
 def snapshot() -> dict:
@@ -109,6 +112,7 @@ def cycle(i: int) -> dict:
         t.write_global(x)
         data, _ = t.lookup_global(np.array([[0, R * 8 - 1]], np.int32), mode="checked")
         assert np.array_equal(np.asarray(data, np.float32).reshape(2, 16), np.asarray(x, np.float32)[[0, R * 8 - 1]])
+        hostgather_open.append(hostgather_threads())  # the CPU backend's fetch started the member's pool
 
         if i % 4 > 1:  # the EP part (a compile per context) in half of the cycles
             t.free()
@@ -137,6 +141,7 @@ def cycle(i: int) -> dict:
 
 failed_init = None
 open_counts: list[int] = []
+hostgather_open: list[int] = []
 nccl_info: list[dict] = []
 cycle(0)  # warm-up: JAX's own lazily created threads, pools and caches
 info0 = cycle(1)
@@ -170,6 +175,8 @@ print("STEADY", json.dumps(steady), "FAILED_INIT_LEAKS", json.dumps(failed_init_
 print("NEW_THREADS", json.dumps(new_threads), flush=True)
 print("RESULT " + json.dumps({"leaks": leaks, "steady": steady, "failed_init_leaks": failed_init_leaks,
                               "new_threads": new_threads,
+                              "hostgather_threads_while_open": max(hostgather_open),
+                              "hostgather_threads_after": hostgather_threads(),
                               "failed_init": failed_init, "cycles": args.cycles, "ranks": R,
                               "live_contexts": len(je.live_contexts()),
                               "memfd_maps_while_open": max(open_counts),

@@ -31,7 +31,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
+
+from _harness import import_launch
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--case", required=True, choices=["no_init", "skip_op", "kill", "nccl_init"])
@@ -45,10 +46,7 @@ ap.add_argument("--reraise", action="store_true", help="kill: end with the op's 
                 "exit), instead of os._exit(0)")
 args = ap.parse_args()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from jax_engram.launch import initialize  # noqa: E402
-
-cfg = initialize(heartbeat_timeout_seconds=args.heartbeat, shutdown_timeout_seconds=args.shutdown)
+cfg = import_launch().initialize(heartbeat_timeout_seconds=args.heartbeat, shutdown_timeout_seconds=args.shutdown)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

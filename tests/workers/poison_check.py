@@ -12,23 +12,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
-from pathlib import Path
+from functools import partial
+
+from _harness import Checks, bits, start
+from _harness import shard as put
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="cpu", choices=["cpu", "cuda"])
 ap.add_argument("--cpu-devices", type=int, default=4)
 args = ap.parse_args()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+start(args.platform, args.cpu_devices)
 import jax  # noqa: E402
-
-jax.config.update("jax_platforms", "cuda,cpu" if args.platform == "cuda" else "cpu")
-if args.platform == "cpu":
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import reference  # noqa: E402
@@ -37,21 +35,8 @@ R = len(jax.devices())
 AX = "ep"
 mesh = jax.make_mesh((R,), (AX,), axis_types=(jax.sharding.AxisType.Explicit,))
 ctx = je.init(mesh, AX, timeout_s=30.0)
-failed = []
-
-
-def check(name, fn):
-    try:
-        fn()
-        print(f"CHECK {name} PASS", flush=True)
-    except Exception as e:  # noqa: BLE001
-        failed.append(name)
-        print(f"CHECK {name} FAIL {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
-
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+checks = Checks()
+check = checks.expect
 
 
 N, H, E, T = 16, 32, 3, 4
@@ -62,8 +47,7 @@ table.write_global(x)
 shards = x.reshape(R, N, H)
 
 
-def sharded(a):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(AX, None)), lambda i: a[i])
+sharded = partial(put, mesh=mesh, spec=P(AX, None))
 
 
 def good_ids(seed):
@@ -130,8 +114,7 @@ def ep_validate_routing():
     NE = E_loc * R
     spec = P(AX)
 
-    def shard(a):
-        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+    shard = partial(put, mesh=mesh, spec=spec)
 
     def body(x, idx):
         d = ep.dispatch(x[0], idx[0], ctx=ctx, num_experts=NE, max_tokens_per_rank=M, validate_routing=True)
@@ -170,7 +153,7 @@ check("engram_checked_global_then_usable", engram_global)
 check("ep_validate_routing_then_usable", ep_validate_routing)
 check("engram_checked_in_jit_then_usable", engram_in_jit)
 ctx.close()
-print(f"SUMMARY {len(failed)} failed: {failed}", flush=True)
+print(f"SUMMARY {len(checks.failed)} failed: {checks.failed}", flush=True)
 print("DONE", flush=True)
 print("DONE", file=sys.stderr, flush=True)  # anything after this on stderr comes from the interpreter's exit
-sys.exit(1 if failed else 0)
+sys.exit(1 if checks.failed else 0)

@@ -17,7 +17,10 @@ import dataclasses
 import sys
 import time
 import traceback
-from pathlib import Path
+from functools import partial
+
+from _harness import local, same, start
+from _harness import shard as put
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu-devices", type=int, default=4)
@@ -26,25 +29,14 @@ ap.add_argument("--families", type=int, default=0, help="seed choosing this run'
 ap.add_argument("--what", default="ep,engram")
 args = ap.parse_args()
 
-try:
-    from jax_engram.launch import emit_result, initialize
-except ModuleNotFoundError as e:
-    if e.name not in ("jax_engram", "jax_engram.launch"):
-        raise
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jax_engram.launch import emit_result, initialize
-
-cfg = initialize()
+cfg = start("cpu", args.cpu_devices)
+from jax_engram.launch import emit_result  # noqa: E402
 import jax  # noqa: E402
-
-if cfg is None:
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import ep, reference as ref  # noqa: E402
@@ -62,24 +54,7 @@ counts = {"ep": 0, "engram": 0}
 failures: list[str] = []
 
 
-def shard(a, spec=SPEC):
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
-
-
-def local(arr):
-    """{rank: numpy block} of the ranks this process owns ([R, ...] sharded on axis 0)."""
-    return {s.index[0].start or 0: np.asarray(s.data)[0] for s in arr.addressable_shards}
-
-
-def bits(a):
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind in "fV" or a.dtype == FP8 else a
-
-
-def same(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and np.array_equal(bits(a), bits(b))
+shard = partial(put, mesh=mesh, spec=SPEC)
 
 
 def values(rng, shape, dt):

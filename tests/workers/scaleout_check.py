@@ -3,7 +3,8 @@ ranks (node-major), on CPU devices or GPUs, 1..N processes.
 
 The mesh is (nodes, local) with axes ("node", "gpu"); a node is a set of devices of one process row (under the
 launcher with one device per process and --nodes = processes, every process is a node). Prints ``PASS name`` /
-``FAIL name: why`` per case and ends with ``emit_result({"checks": {name: bool}, ...})``.
+``FAIL name: why`` per case and ends with ``launch = import_launch()
+launch.emit_result({"checks": {name: bool}, ...})``.
 
 Run:
   one process:         python tests/workers/scaleout_check.py --platform cpu --cpu-devices 4 --nodes 2
@@ -14,17 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-import traceback
-from pathlib import Path
 
-try:
-    from jax_engram.launch import emit_result, initialize, shutdown
-except ModuleNotFoundError as e:  # run straight from a source checkout
-    if e.name not in ("jax_engram", "jax_engram.launch"):
-        raise
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jax_engram.launch import emit_result, initialize, shutdown
+from _harness import Checks, import_launch, load_example, make_ids, random_bits, shard, start
+from _harness import raw_bits as bits
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda"])
@@ -36,21 +29,13 @@ args = ap.parse_args()
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-cfg = initialize()
+cfg = start(args.platform, args.cpu_devices)
 
 import jax  # noqa: E402
-
-if cfg is None:
-    if args.platform == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    elif args.platform == "cuda":
-        jax.config.update("jax_platforms", "cuda,cpu")  # cpu: host callbacks (checked mode)
-
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import reference  # noqa: E402
@@ -68,50 +53,14 @@ BF16, F32, FP8 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(ml_dtype
 ctx = je.init(mesh, AXES, timeout_s=120.0)
 flat_mesh = jax.sharding.Mesh(np.array(DEVS), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
 
-CHECKS: dict[str, bool] = {}
-
-
-def check(name):
-    def deco(fn):
-        if args.only and not any(o in name for o in args.only.split(",")):
-            return fn
-        t0 = time.time()
-        try:
-            fn()
-            CHECKS[name] = True
-            print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every failure
-            CHECKS[name] = False
-            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
-        return fn
-    return deco
-
-
-def _uint(dt):
-    return np.dtype(f"u{np.dtype(dt).itemsize}")
-
-
-def bits(a):
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view(_uint(a.dtype)) if a.dtype.itemsize in (1, 2, 4, 8) and a.dtype != np.bool_ else a
-
-
-def random_bits(rng, shape, dt):
-    dt = np.dtype(dt)
-    u = rng.integers(0, 2 ** (8 * dt.itemsize), size=shape, dtype=np.uint64).astype(_uint(dt))
-    if dt == FP8:
-        u = np.where((u & 0x7F) == 0x7F, u ^ 0x01, u)
-    else:
-        exp = {2: 0x7F80, 4: 0x7F800000}[dt.itemsize]
-        hi = {2: 0x4000, 4: 0x40000000}[dt.itemsize]
-        u = np.where((u & exp) == exp, u & ~np.array(hi, u.dtype), u)
-    return u.astype(_uint(dt)).view(dt)
+checks = Checks(style="PASS", decimals=1,
+                select=lambda name: not args.only or any(o in name for o in args.only.split(",")))
+check = checks.case
+CHECKS = checks.results
 
 
 def sharded(a, spec=None):
-    spec = spec or P(AXES, *([None] * (a.ndim - 1)))
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+    return shard(a, mesh, spec or P(AXES, *([None] * (a.ndim - 1))))
 
 
 def assert_equal(got, want, what):
@@ -150,15 +99,6 @@ def _():
 
 
 # --------------------------------------------------------------------------------------------- Engram
-def make_ids(rng, rows, E, total, special=True):
-    ids = rng.integers(0, total, size=(rows, E), dtype=np.int64)
-    if special:
-        pool = np.array([-1, -7, total, total + 5, 2**31 - 1, 0, total - 1], np.int64)
-        mask = rng.random((rows, E)) < 0.3
-        ids = np.where(mask, pool[rng.integers(0, len(pool), size=(rows, E))], ids)
-    return ids.astype(np.int32)
-
-
 def _ref_lookup(shards, ids, *, mode="fill", sf_table=None, sf_layout="row"):
     """jax_engram.reference.engram_lookup's semantics in numpy (XLA:CPU may flush bf16 subnormals inside the
     jitted reference's fusions; a table copy must keep every bit)."""
@@ -260,20 +200,10 @@ if "engram" in args.suite:
 
 
 # ------------------------------------------------------------------------------------------------- EP
-def _moe_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("moe_layer", Path(__file__).resolve().parents[2] / "examples"
-                                                  / "moe_layer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def moe_loss_and_grads(c, m, ax, dtype, params, x, ct, ntok):
     """Per-rank loss and d(x, w_up, w_down) of the example MoE layer (expand dispatch with alignment, zero
     padding, weights, ragged_dot experts, combine), on context c over mesh m / axes ax."""
-    mod = _moe_module()
+    mod = load_example()
     E, K, M = params["w_up"].shape[0], 3, x.shape[1]
 
     def per_rank(w_up, w_down, x, ct, ntok):
@@ -289,7 +219,7 @@ def moe_loss_and_grads(c, m, ax, dtype, params, x, ct, ntok):
         per, out = per_rank(w_up, w_down, x, ct, ntok)
         return jnp.sum(per), out
 
-    sh = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(m, P(ax)), lambda i: a[i])  # noqa: E731
+    sh = lambda a: shard(a, m, P(ax))  # noqa: E731
     f = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     (gu, gd, gx), per = f(sh(params["w_up"]), sh(params["w_down"]), sh(x.astype(dtype)), sh(ct), sh(ntok))
     return {"out": per, "d_w_up": gu, "d_w_down": gd, "d_x": gx}
@@ -321,6 +251,7 @@ if "ep" in args.suite:
 
 # ------------------------------------------------------------------------------------------------ end
 print(f"checks: {sum(CHECKS.values())}/{len(CHECKS)} passed", flush=True)
-emit_result({"checks": CHECKS, "devices": R, "nodes": NODES, "processes": jax.process_count()})
-shutdown()
+launch = import_launch()
+launch.emit_result({"checks": CHECKS, "devices": R, "nodes": NODES, "processes": jax.process_count()})
+launch.shutdown()
 sys.exit(0 if all(CHECKS.values()) else 1)

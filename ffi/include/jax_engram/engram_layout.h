@@ -85,6 +85,19 @@ enum Loads : int32_t { kLoadsAuto = 0, kLoadsVolatile = 1, kLoadsCg = 2, kLoadsP
 inline constexpr int32_t kMaxGatherSms = 1024;
 inline constexpr int32_t kMaxBlocksPerSm = 64;
 
+// ---- host-table path (jax_engram/config.py EngramConfig.host_gather; runtime/host_gather.h) -------------------
+// HostGather: who moves the rows of a host-placed table on a GPU. kHostGatherGpu: the GPU gather above reads host
+// memory over the link (its rate falls with the table size where an IOMMU translates device reads of host
+// memory). kHostGatherCpu: CPU worker threads gather into pinned staging and the copy engine moves each chunk (no
+// SMs). "auto" (resolved in Python): cpu for overlapped fetches; for lookups gpu while the per-rank shard is at
+// most kHostGatherGpuMaxShardBytes, else cpu.
+enum HostGather : int32_t { kHostGatherGpu = 0, kHostGatherCpu = 1 };
+inline constexpr int64_t kHostGatherGpuMaxShardBytes = int64_t{1} << 30;
+inline constexpr int32_t kMaxHostThreads = 256;
+// Work item of a host gather (rows pulled by one worker at a time) and flagged chunk (one host->GPU copy each).
+inline constexpr int64_t kHostGatherItemBytes = int64_t{128} << 10;
+inline constexpr int64_t kHostGatherChunkBytes = int64_t{2} << 20;
+
 // ---- bulk-copy (TMA) gather plan --------------------------------------------------------------------------
 // The output [T*E*row_bytes] is cut into `chunks` of `chunk_bytes` (the last one shorter). Every CTA runs
 // kTmaWarps independent pipelines (one per warp); global warp w = cta*kTmaWarps + warp takes chunks w, w + W,

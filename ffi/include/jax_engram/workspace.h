@@ -49,6 +49,7 @@ enum ErrorCode : int32_t {
   kErrBadInput = 2,       // invalid data found on the device (duplicate expert id, bad token count, ...)
   kErrIdOutOfRange = 3,   // Engram "checked" mode: first out-of-range id in `detail`
   kErrSequence = 4,       // EP copy-engine dispatch: the host's call count (expected) differs from the device's
+  kErrHostGather = 5,     // Engram host path (CUDA): a worker of the host gather pool failed (detail: work items)
 };
 
 struct ErrorRecord {

@@ -1,12 +1,54 @@
-// CPU Engram gather: row copies straight from the owner's window segment (mapped in this process) into
-// the output, the scale factors from the replicated table. Runs on XLA's executor thread.
+// CPU Engram gather: row copies straight from the owner's table region (mapped in this process) into the output,
+// the scale factors from the replicated table.
 #include "kernels/cpu/engram.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "jax_engram/engram_layout.h"
 
 namespace jax_engram::cpu {
+namespace {
+
+// Rows prefetched ahead of the one being copied: random rows of a large table miss every cache and the TLB, so
+// several dozen misses in flight per thread are what keeps host memory busy.
+constexpr int64_t kPrefetchRows = 32;
+
+inline const uint8_t* row_source(const EngramGather& g, int64_t id) {
+  return g.peers[id / g.num_entries] + g.offset + (id % g.num_entries) * g.row_bytes;
+}
+
+inline void prefetch_row(const EngramGather& g, int64_t total, int32_t raw) {
+  bool oob;
+  const int64_t id = engram::resolve_id(raw, total, g.mode, &oob);
+  if (id < 0) return;
+  const uint8_t* p = row_source(g, id);
+  const int64_t lines = std::min<int64_t>((g.row_bytes + 63) / 64, 8);
+  for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(p + l * 64, 0, 0);
+}
+
+#if defined(__SSE2__)
+// 16-byte non-temporal stores: the staging lines are not read for ownership and do not evict the table's lines.
+inline void stream_row(uint8_t* dst, const uint8_t* src, int64_t rb) {
+  auto* d = reinterpret_cast<__m128i*>(dst);
+  const auto* s = reinterpret_cast<const __m128i*>(src);
+  for (int64_t k = 0; k < rb / 16; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
+}
+inline void stream_zero(uint8_t* dst, int64_t rb) {
+  auto* d = reinterpret_cast<__m128i*>(dst);
+  const __m128i z = _mm_setzero_si128();
+  for (int64_t k = 0; k < rb / 16; ++k) _mm_stream_si128(d + k, z);
+}
+#endif
+
+}  // namespace
 
 int64_t engram_first_out_of_range(const int32_t* ids, int64_t n, int64_t total) {
   for (int64_t i = 0; i < n; ++i)
@@ -14,26 +56,50 @@ int64_t engram_first_out_of_range(const int32_t* ids, int64_t n, int64_t total) 
   return -1;
 }
 
-void engram_gather(const EngramGather& g) {
-  const int64_t n = g.T * g.E;
+int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end) {
   const int64_t total = static_cast<int64_t>(g.nranks) * g.num_entries;
   const int64_t rb = g.row_bytes;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t first_bad = -1;
+#if defined(__SSE2__)
+  // Rows of out are 16-byte aligned iff the base and the row size are (XLA buffers and staging are 64-aligned).
+  const bool nt = g.streaming && rb % 16 == 0 && reinterpret_cast<uintptr_t>(g.out) % 16 == 0;
+#else
+  const bool nt = false;
+#endif
+  for (int64_t i = begin; i < std::min(end, begin + kPrefetchRows); ++i) prefetch_row(g, total, g.ids[i]);
+  for (int64_t i = begin; i < end; ++i) {
+    if (i + kPrefetchRows < end) prefetch_row(g, total, g.ids[i + kPrefetchRows]);
     bool oob = false;
     const int64_t id = engram::resolve_id(g.ids[i], total, g.mode, &oob);
+    if (oob && first_bad < 0) first_bad = i;
     uint8_t* dst = g.out + i * rb;
-    if (id < 0) {
-      std::memset(dst, 0, rb);
+#if defined(__SSE2__)
+    if (nt) {
+      if (id < 0)
+        stream_zero(dst, rb);
+      else
+        stream_row(dst, row_source(g, id), rb);
       continue;
     }
-    const int64_t owner = id / g.num_entries, row = id % g.num_entries;
-    std::memcpy(dst, g.peers[owner] + g.offset + row * rb, rb);
+#endif
+    if (id < 0)
+      std::memset(dst, 0, rb);
+    else
+      std::memcpy(dst, row_source(g, id), rb);
   }
+#if defined(__SSE2__)
+  if (nt) _mm_sfence();  // non-temporal stores are weakly ordered: visible before whoever publishes this range
+#endif
+  return first_bad;
+}
+
+void engram_gather_sf(const EngramGather& g) {
   if (!g.sf_table || g.P == 0) return;
+  const int64_t n = g.T * g.E;
+  const int64_t total = static_cast<int64_t>(g.nranks) * g.num_entries;
   const int64_t EP = g.E * g.P;
-  if (g.sf_layout == engram::kSfTmaColMajor) {
+  if (g.sf_layout == engram::kSfTmaColMajor)
     std::memset(g.sf_out, 0, engram::sf_out_elems(g.T, EP, g.sf_layout) * sizeof(uint32_t));
-  }
   for (int64_t i = 0; i < n; ++i) {
     bool oob = false;
     const int64_t id = engram::resolve_id(g.ids[i], total, g.mode, &oob);
@@ -43,6 +109,61 @@ void engram_gather(const EngramGather& g) {
       g.sf_out[engram::sf_out_index(t, j, g.T, EP, g.sf_layout)] = id < 0 ? 0u : g.sf_table[id * g.P + p];
     }
   }
+}
+
+void engram_gather(const EngramGather& g) {
+  engram_gather_rows(g, 0, g.T * g.E);
+  engram_gather_sf(g);
+}
+
+namespace {
+double seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+// Runs f(lo, hi) on `threads` threads over equal parts of [0, bytes) (64-byte aligned); returns the seconds.
+template <class F>
+double split(int64_t bytes, int threads, F f) {
+  std::vector<std::thread> ts;
+  const int64_t part = (bytes / threads) & ~int64_t{63};
+  const double t0 = seconds();
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([=] { f(part * t, t + 1 == threads ? bytes : part * (t + 1)); });
+  for (auto& x : ts) x.join();
+  return seconds() - t0;
+}
+}  // namespace
+
+HostBandwidth host_memory_bandwidth(int64_t bytes, int threads) {
+  bytes &= ~int64_t{63};
+  threads = std::max(threads, 1);
+  std::vector<uint8_t> a_buf(bytes + 64), b_buf(bytes + 64);  // touched (zeroed) here: pages are mapped
+  uint8_t* a = a_buf.data() + (64 - reinterpret_cast<uintptr_t>(a_buf.data()) % 64) % 64;
+  uint8_t* b = b_buf.data() + (64 - reinterpret_cast<uintptr_t>(b_buf.data()) % 64) % 64;
+  std::memset(a, 1, bytes);
+  HostBandwidth r;
+  double tr = 1e30, tc = 1e30, tw = 1e30;
+  std::vector<int64_t> sinks(threads * 8);
+  for (int rep = 0; rep < 3; ++rep) {
+    tr = std::min(tr, split(bytes, threads, [&, a](int64_t lo, int64_t hi) {
+      int64_t s = 0;
+      for (int64_t i = lo; i < hi; i += 64) s += *reinterpret_cast<const volatile int64_t*>(a + i);
+      sinks[(lo / 64) % sinks.size()] = s;
+    }));
+    tc = std::min(tc, split(bytes, threads, [=](int64_t lo, int64_t hi) { std::memcpy(b + lo, a + lo, hi - lo); }));
+    tw = std::min(tw, split(bytes, threads, [=](int64_t lo, int64_t hi) {
+#if defined(__SSE2__)
+      const __m128i z = _mm_set1_epi32(static_cast<int>(lo));
+      for (int64_t i = lo; i < hi; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(b + i), z);
+      _mm_sfence();
+#else
+      std::memset(b + lo, static_cast<int>(lo), hi - lo);
+#endif
+    }));
+  }
+  r.read_gbps = bytes / tr / 1e9;
+  r.memcpy_gbps = bytes / tc / 1e9;
+  r.nt_write_gbps = bytes / tw / 1e9;
+  return r;
 }
 
 }  // namespace jax_engram::cpu

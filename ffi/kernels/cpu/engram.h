@@ -1,19 +1,22 @@
-// CPU Engram gather (layout and id semantics in jax_engram/engram_layout.h).
+// CPU Engram gather (layout and id semantics in jax_engram/engram_layout.h). One routine over a range of flat
+// positions serves the CPU backend's fetch and the host-table path of the CUDA fetch (runtime/host_gather.h runs
+// it on worker threads).
 #pragma once
 #include <cstdint>
 
 namespace jax_engram::cpu {
 
 struct EngramGather {
-  const int32_t* ids = nullptr;          // [T, E] global ids
+  const int32_t* ids = nullptr;          // [T, E] global ids (host-readable)
   int64_t T = 0, E = 0;
   int64_t num_entries = 0;               // rows per rank
   int32_t nranks = 0;
-  uint8_t* const* peers = nullptr;       // base of the table's allocation on every rank (this member's view)
+  uint8_t* const* peers = nullptr;       // base of the table's allocation on every rank (host-readable view)
   int64_t offset = 0;                    // region offset of the table in that allocation
   int64_t row_bytes = 0;
   int32_t mode = 0;                      // engram::Mode
-  uint8_t* out = nullptr;                // [T*E, row_bytes]
+  uint8_t* out = nullptr;                // [T*E, row_bytes]: the result or a staging buffer
+  bool streaming = true;                 // non-temporal stores into `out` where rows are 16-byte aligned
   // Scale factors (sf_table == nullptr: none).
   const uint32_t* sf_table = nullptr;    // [nranks*num_entries, P] 4-byte words
   int64_t P = 0;
@@ -24,7 +27,23 @@ struct EngramGather {
 // Flat position of the first id >= nranks*num_entries, or -1 if none.
 int64_t engram_first_out_of_range(const int32_t* ids, int64_t n, int64_t total);
 
-// Gathers every row (and sf) of `g`. Out-of-range ids follow g.mode (checked: zero rows, like fill).
+// Gathers the rows of flat positions [begin, end) of `g` (negative ids: zero rows; out of range: g.mode, checked
+// like fill). Software prefetch a few dozen rows ahead; with g.streaming, 16-byte non-temporal stores followed by
+// a store fence (so the rows are globally visible when this returns). Returns the first out-of-range flat
+// position in the range, or -1.
+int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end);
+
+// Gathers every scale factor of `g` (no-op without an sf table).
+void engram_gather_sf(const EngramGather& g);
+
+// Gathers every row and sf of `g` on the calling thread.
 void engram_gather(const EngramGather& g);
+
+// Measurement helpers (the CPU module's host_memory_bandwidth / host_gather_rate): `threads` threads over
+// [0, bytes) each. GB/s of one pass.
+struct HostBandwidth {
+  double read_gbps = 0, memcpy_gbps = 0, nt_write_gbps = 0;
+};
+HostBandwidth host_memory_bandwidth(int64_t bytes, int threads);
 
 }  // namespace jax_engram::cpu

@@ -1,0 +1,123 @@
+"""Host-side ceilings of the Engram host paths, measured with the CPU module's probes where this build has them:
+
+* ``memory_bandwidth(nbytes, threads)``: ``_engram_cpu.host_memory_bandwidth`` -> read / memcpy / non-temporal
+  write GB/s of host memory (what bounds a CPU gather into pinned staging followed by a copy to the GPU);
+* ``gather_rate(table_bytes, row_bytes, num_rows, threads, repeats)``: ``_engram_cpu.host_gather_rate`` -> GB/s of
+  random rows gathered by CPU threads from a host table of ``table_bytes`` (no GPU involved);
+* ``gather_in_processes(nprocs, ...)``: that gather in ``nprocs`` processes at once (one per GPU of a node share
+  its host memory), per-process and total GB/s.
+
+Every function returns a dict; where the probe is missing it returns ``{"skipped": reason}`` instead of failing,
+so the benchmarks run (and say so) on builds without it. No JAX device work here.
+
+Run as a script, this file is the worker of ``gather_in_processes`` (it reads "go" on stdin, then gathers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+_PROBES = ("host_memory_bandwidth", "host_gather_rate")
+
+
+def _native(name: str):
+    try:
+        from jax_engram import _ffi
+
+        return getattr(_ffi.native("cpu"), name, None)
+    except Exception:  # noqa: BLE001 - a missing module is reported as a skip, like a missing probe
+        return None
+
+
+def _skip(name: str) -> dict:
+    return dict(skipped=f"jax_engram's CPU module has no {name}() in this build: ceiling not measured")
+
+
+def _call(name: str, *a) -> dict:
+    fn = _native(name)
+    if fn is None:
+        return _skip(name)
+    try:
+        out = dict(fn(*a))
+    except Exception as e:  # noqa: BLE001 - one failed probe must not lose the benchmark
+        return dict(error=f"{name}: {type(e).__name__}: {str(e)[:300]}")
+    return {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in out.items()}
+
+
+def memory_bandwidth(nbytes: int, threads: int) -> dict:
+    """Host memory bandwidth with ``threads`` threads over ``nbytes``: read_gbps, memcpy_gbps, nt_write_gbps."""
+    return dict(_call("host_memory_bandwidth", int(nbytes), int(threads)), bytes=int(nbytes), threads=int(threads))
+
+
+def gather_rate(table_bytes: int, row_bytes: int, num_rows: int, threads: int, repeats: int) -> dict:
+    """GB/s of ``num_rows`` random ``row_bytes`` rows gathered by ``threads`` CPU threads from a ``table_bytes`` host
+    table (the probe allocates and fills its own table): gather_gbps."""
+    return dict(_call("host_gather_rate", int(table_bytes), int(row_bytes), int(num_rows), int(threads),
+                      int(repeats)), table_bytes=int(table_bytes), row_bytes=int(row_bytes), num_rows=int(num_rows),
+                threads=int(threads), repeats=int(repeats))
+
+
+def default_threads(nprocs: int = 1) -> int:
+    """Gather threads per process when ``nprocs`` processes share this host: the cores split evenly, at most 8 (the
+    probes' best for one gather with its copy)."""
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, nprocs)))
+
+
+def gather_in_processes(nprocs: int, table_bytes: int, row_bytes: int, num_rows: int, threads: int, repeats: int,
+                        timeout_s: float = 300.0) -> dict:
+    """``gather_rate`` in ``nprocs`` processes at once: every worker allocates and fills its own table, reports
+    ready, and all start together. Returns per-process results, total_gbps (sum) and min/max per process."""
+    out = dict(processes=nprocs, threads_per_process=threads, table_bytes=table_bytes, num_rows=num_rows)
+    if _native("host_gather_rate") is None:
+        return dict(out, **_skip("host_gather_rate"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.abspath(__file__), str(table_bytes), str(row_bytes), str(num_rows), str(threads),
+           str(repeats)]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(nprocs)]
+    try:
+        deadline = time.time() + timeout_s
+        for p in procs:  # each prints "ready" once imported
+            line = p.stdout.readline()
+            if line.strip() != "ready" or time.time() > deadline:
+                raise RuntimeError(f"a gather worker did not start: {line.strip()!r} {p.stderr.read()[-300:]}")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        res = []
+        for p in procs:
+            o, e = p.communicate(timeout=max(1.0, deadline - time.time()))
+            if p.returncode != 0:
+                raise RuntimeError(f"a gather worker failed (exit {p.returncode}): {e[-300:]}")
+            res.append(json.loads(o.strip().splitlines()[-1]))
+    except Exception as e:  # noqa: BLE001
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        return dict(out, error=f"{type(e).__name__}: {str(e)[:400]}")
+    rates = [r.get("gather_gbps") for r in res]
+    out.update(per_process=res)
+    if all(isinstance(r, float) for r in rates):
+        out.update(total_gbps=sum(rates), min_gbps=min(rates), max_gbps=max(rates))
+    return out
+
+
+def _worker(argv: list[str]) -> int:
+    table_bytes, row_bytes, num_rows, threads, repeats = (int(a) for a in argv)
+    _native("host_gather_rate")  # import before "ready": the start of the gathers is not spread by imports
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 2
+    t0 = time.perf_counter()
+    r = gather_rate(table_bytes, row_bytes, num_rows, threads, repeats)
+    r["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

@@ -1,0 +1,255 @@
+// Engram host path launcher (see engram_host.h).
+#include "kernels/cuda/engram_host.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "jax_engram/engram_layout.h"
+#include "runtime/cuda_driver.h"
+#include "runtime/cuda_member.h"
+#include "runtime/host_gather.h"
+
+namespace jax_engram {
+namespace {
+
+// Pinned staging of one stream. Grown (never shrunk) under HostFetchState::mu by the handler thread.
+struct Staging {
+  uint8_t* rows = nullptr;
+  size_t rows_cap = 0;
+  int32_t* ids = nullptr;
+  size_t ids_cap = 0;
+  uint32_t* sf = nullptr;
+  size_t sf_cap = 0;
+  uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk, [chunks] = job done; the last word: status
+  uint32_t* flags_dev = nullptr;
+  size_t flags_cap = 0;           // words, the status word included (last)
+  uint32_t seq = 0;
+
+  void release() {
+    if (rows) cudaFreeHost(rows);
+    if (ids) cudaFreeHost(ids);
+    if (sf) cudaFreeHost(sf);
+    if (flags) cudaFreeHost(flags);
+    rows = nullptr;
+    ids = nullptr;
+    sf = nullptr;
+    flags = nullptr;
+    flags_dev = nullptr;
+    rows_cap = ids_cap = sf_cap = flags_cap = 0;
+  }
+};
+
+struct HostFetchState {
+  std::mutex mu;
+  std::map<cudaStream_t, Staging> streams;
+  ~HostFetchState() {
+    for (auto& kv : streams) kv.second.release();
+  }
+};
+
+// Grows `cur` (cudaHostAlloc with `flags`) to at least `need` bytes; the caller synchronized the stream.
+template <typename T>
+cudaError_t grow(T** cur, size_t* cap, size_t need, unsigned flags) {
+  if (*cap >= need) return cudaSuccess;
+  if (*cur) cudaFreeHost(*cur);
+  *cur = nullptr;
+  *cap = 0;
+  void* p = nullptr;
+  cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(need, 64), flags);
+  if (e != cudaSuccess) return e;
+  *cur = static_cast<T*>(p);
+  *cap = std::max<size_t>(need, 64);
+  return cudaSuccess;
+}
+
+// Scale factors from an sf table in HBM: one thread per (flat position, pack); col-major padding zeroed first.
+__global__ void sf_gather_kernel(const int32_t* ids, int64_t n, int64_t E, int64_t T, int64_t total, int32_t mode,
+                                 const uint32_t* sf_table, int64_t P, int32_t layout, uint32_t* sf_out) {
+  const int64_t EP = E * P;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n * P;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = k / P, p = k % P;
+    bool oob = false;
+    const int64_t id = engram::resolve_id(ids[i], total, mode, &oob);
+    const int64_t t = i / E, j = (i % E) * P + p;
+    sf_out[engram::sf_out_index(t, j, T, EP, layout)] = id < 0 ? 0u : sf_table[id * P + p];
+  }
+}
+
+struct Post {
+  HostGatherPool* pool;
+  std::shared_ptr<HostGatherJob> job;
+  bool sync;  // no stream wait-value: gather here, synchronously
+  double timeout_s;
+};
+
+// cudaLaunchHostFunc callback: queue the job (never a CUDA call here); the synchronous fallback waits for it.
+void CUDART_CB post_job(void* arg) {
+  std::unique_ptr<Post> p(static_cast<Post*>(arg));
+  p->pool->submit(p->job);
+  if (p->sync && !p->job->wait(p->timeout_s)) p->job->abandon("timed out");
+}
+
+}  // namespace
+
+cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t stream, std::string* what) {
+  Member& m = *a.member;
+  CudaMemberState& st = *a.state;
+  const int64_t n = a.T * a.E;
+  const int64_t rb = a.row_bytes;
+  const int64_t total = static_cast<int64_t>(m.nranks) * a.num_entries;
+  const bool sf_any = a.sf_table && a.P > 0;
+  const int64_t sf_words = sf_any ? engram::sf_out_elems(a.T, a.E * a.P, a.sf_layout) : 0;
+  const int64_t item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / std::max<int64_t>(rb, 1), 1);
+  const int64_t chunk_items =
+      std::max<int64_t>(engram::kHostGatherChunkBytes / std::max<int64_t>(item_rows * rb, 1), 1);
+  const int64_t items = n == 0 ? 0 : (n + item_rows - 1) / item_rows;
+  const int64_t chunks = items == 0 ? 0 : (items + chunk_items - 1) / chunk_items;
+  const size_t flag_words = static_cast<size_t>(chunks + 2);  // chunks, done, status
+  const bool gate = st.stream_wait_value;
+  const CudaDriver* drv = cuda_driver(nullptr);
+
+  Staging* sg;
+  {
+    static std::mutex create_mu;
+    std::lock_guard<std::mutex> lk(create_mu);
+    if (!st.host_fetch) st.host_fetch = std::make_shared<HostFetchState>();
+  }
+  auto* hs = static_cast<HostFetchState*>(st.host_fetch.get());
+  std::lock_guard<std::mutex> lk(hs->mu);
+  sg = &hs->streams[stream];
+  cudaError_t e = cudaSuccess;
+  if (sg->rows_cap < static_cast<size_t>(n * rb) || sg->ids_cap < static_cast<size_t>(n) * 4 ||
+      sg->sf_cap < static_cast<size_t>(sf_words) * 4 || sg->flags_cap < flag_words * 4) {
+    // Warm-up only: the buffers may still be read by this stream's earlier copies.
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) {
+      *what = "synchronizing the stream before growing the host-path staging";
+      return e;
+    }
+    e = grow(&sg->rows, &sg->rows_cap, static_cast<size_t>(n * rb), cudaHostAllocPortable);
+    if (e == cudaSuccess) e = grow(&sg->ids, &sg->ids_cap, static_cast<size_t>(n) * 4, cudaHostAllocPortable);
+    if (e == cudaSuccess) e = grow(&sg->sf, &sg->sf_cap, static_cast<size_t>(sf_words) * 4, cudaHostAllocPortable);
+    if (e == cudaSuccess && sg->flags_cap < flag_words * 4) {
+      e = grow(&sg->flags, &sg->flags_cap, flag_words * 4, cudaHostAllocMapped | cudaHostAllocPortable);
+      if (e == cudaSuccess) {
+        std::fill(sg->flags, sg->flags + sg->flags_cap / 4, 0u);
+        void* dp = nullptr;
+        e = cudaHostGetDevicePointer(&dp, sg->flags, 0);
+        sg->flags_dev = static_cast<uint32_t*>(dp);
+      }
+    }
+    if (e != cudaSuccess) {
+      sg->release();
+      *what = "allocating the host-path staging (pinned, " + std::to_string(n * rb) + " bytes)";
+      return e;
+    }
+  }
+  if (++sg->seq == 0) sg->seq = 1;  // flags start at 0: never wait for 0
+  const uint32_t seq = sg->seq;
+  uint32_t* status_word = sg->flags + (sg->flags_cap / 4 - 1);
+  int32_t* status_host = reinterpret_cast<int32_t*>(status_word);
+
+  // 1. ids -> pinned
+  if (n && (e = cudaMemcpyAsync(sg->ids, a.ids, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream)) !=
+               cudaSuccess) {
+    *what = "copying the ids to pinned memory";
+    return e;
+  }
+  // sf from HBM: a small kernel (reads the ids on the device; independent of the rows)
+  if (sf_any && !a.sf_host) {
+    if (a.sf_layout == engram::kSfTmaColMajor &&
+        (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess) {
+      *what = "zeroing the sf result";
+      return e;
+    }
+    if (n) {
+      const int64_t work = n * a.P;
+      const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
+      sf_gather_kernel<<<blocks, 256, 0, stream>>>(a.ids, n, a.E, a.T, total, a.mode, a.sf_table, a.P, a.sf_layout,
+                                                   a.sf_out);
+      if ((e = cudaGetLastError()) != cudaSuccess) {
+        *what = "launching the scale-factor gather kernel";
+        return e;
+      }
+    }
+  }
+  // 2. the job
+  auto job = std::make_shared<HostGatherJob>();
+  cpu::EngramGather& g = job->g;
+  g.ids = sg->ids;
+  g.T = a.T;
+  g.E = a.E;
+  g.num_entries = a.num_entries;
+  g.nranks = m.nranks;
+  g.offset = a.offset;
+  g.row_bytes = rb;
+  g.mode = a.mode;
+  g.out = sg->rows;
+  g.streaming = true;
+  g.sf_table = a.sf_host ? a.sf_table : nullptr;
+  g.P = a.sf_host ? a.P : 0;
+  g.sf_layout = a.sf_layout;
+  g.sf_out = sg->sf;
+  job->peers = a.table->peers;
+  job->n = n;
+  job->item_rows = item_rows;
+  job->chunk_items = chunk_items;
+  job->flags = gate ? sg->flags : nullptr;
+  job->seq = seq;
+  job->status = status_host;
+  job->sf = sf_any && a.sf_host;
+  job->fail = m.host_gather_fail_next.exchange(false);
+  ErrorRecord* rec = m.error_host;
+  const int32_t rank = m.rank;
+  job->on_done = [rec, rank](HostGatherJob& j) {
+    if (j.failed()) record_error(rec, kErrHostGather, kOpEngramFetch, rank, -1, 0, 0, 0, j.num_items());
+  };
+  HostGatherPool* pool = HostGatherPool::of(m, a.threads > 0 ? a.threads : host_gather_default_threads(true),
+                                            st.host_numa_id);
+  auto* post = new Post{pool, job, !gate, m.timeout_s};
+  if ((e = cudaLaunchHostFunc(stream, post_job, post)) != cudaSuccess) {
+    delete post;
+    *what = "enqueuing the host gather (cudaLaunchHostFunc)";
+    return e;
+  }
+  // 3. per chunk: wait for its flag, copy it
+  const int64_t chunk_rows = item_rows * chunk_items;
+  auto wait_flag = [&](int64_t c) -> cudaError_t {
+    const CUresult r = drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(stream),
+                                                reinterpret_cast<CUdeviceptr>(sg->flags_dev + c), seq,
+                                                CU_STREAM_WAIT_VALUE_EQ);
+    if (r != CUDA_SUCCESS) {
+      *what = "cuStreamWaitValue32 on the host gather's chunk flag: " + cu_error_string(r);
+      return cudaErrorUnknown;
+    }
+    return cudaSuccess;
+  };
+  for (int64_t c = 0; c < (gate ? chunks : (n ? 1 : 0)); ++c) {
+    const int64_t r0 = gate ? c * chunk_rows : 0, r1 = gate ? std::min(n, r0 + chunk_rows) : n;
+    if (gate && (e = wait_flag(c)) != cudaSuccess) return e;
+    if ((e = cudaMemcpyAsync(a.out + r0 * rb, sg->rows + r0 * rb, static_cast<size_t>((r1 - r0) * rb),
+                             cudaMemcpyHostToDevice, stream)) != cudaSuccess) {
+      *what = "copying a chunk of gathered rows to the GPU";
+      return e;
+    }
+  }
+  // 4. status and host-gathered sf after the job's last flag
+  if (gate && (e = wait_flag(chunks)) != cudaSuccess) return e;
+  if ((e = cudaMemcpyAsync(a.status, status_host, 4, cudaMemcpyHostToDevice, stream)) != cudaSuccess) {
+    *what = "copying the status word";
+    return e;
+  }
+  if (sf_any && a.sf_host && sf_words &&
+      (e = cudaMemcpyAsync(a.sf_out, sg->sf, static_cast<size_t>(sf_words) * 4, cudaMemcpyHostToDevice, stream)) !=
+          cudaSuccess) {
+    *what = "copying the gathered scale factors";
+    return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jax_engram

@@ -1,0 +1,53 @@
+// Engram host path on a GPU (no SMs for the rows): CPU worker threads of the member's host gather pool
+// (runtime/host_gather.h) gather the rows of a host-placed table into pinned staging, and the copy engine moves
+// each finished chunk into the result, gated in stream order by a flag in mapped pinned memory. Plain C++ header
+// (the handler includes it); the launcher is in engram_host.cu.
+//
+// On `stream`, per fetch:
+//   1. copy of the ids into pinned memory (device -> host);
+//   2. a host function that only queues the job on the pool (no CUDA call, returns at once);
+//   3. per chunk of kHostGatherChunkBytes: cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device copy;
+//   4. after the last flag (set when every item, the scale factors and the status are done): the status word and,
+//      for a host-readable sf table, the scale factors. An sf table in HBM is gathered by a small kernel instead
+//      (only the sf: the rows never use SMs).
+// Without cuStreamWaitValue32 the host function runs the whole gather synchronously and one copy follows.
+// Staging (rows, ids, sf, flags, status) is pinned memory per (member, stream), grown on demand: a grow
+// synchronizes that stream once (warm-up only) and frees the old buffers. One job at a time per stream is safe by
+// stream order: the next fetch's host function runs only after this fetch's copies out of the staging. Workers set
+// every flag even when they fail (the failure goes to the member's error record: the next op / ctx.check() raises),
+// so the stream never waits forever.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "runtime/runtime.h"
+
+namespace jax_engram {
+
+struct CudaMemberState;
+
+struct EngramHostFetchArgs {
+  Member* member = nullptr;
+  CudaMemberState* state = nullptr;
+  const int32_t* ids = nullptr;          // [T, E] (device)
+  int64_t T = 0, E = 0;
+  int64_t num_entries = 0;
+  const Allocation* table = nullptr;     // its `peers` are host-readable (Allocation::cpu_readable)
+  int64_t offset = 0, row_bytes = 0;
+  int32_t mode = 0;
+  uint8_t* out = nullptr;                // [T*E, row_bytes] (device)
+  const uint32_t* sf_table = nullptr;    // own replicated sf table (nullptr: none)
+  bool sf_host = false;                  // sf_table lies in host memory (the workers gather it)
+  int64_t P = 0;
+  int32_t sf_layout = 0;
+  uint32_t* sf_out = nullptr;            // (device)
+  int32_t* status = nullptr;             // one int32 (device)
+  int threads = 0;                       // pool workers (0: default)
+};
+
+// Enqueues the host path on `stream`. On failure returns the CUDA error and names the step in *what.
+cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t stream, std::string* what);
+
+}  // namespace jax_engram

@@ -1,0 +1,293 @@
+// Host gather pool (see host_gather.h).
+#include "runtime/host_gather.h"
+
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+
+#include "jax_engram/engram_layout.h"
+
+namespace jax_engram {
+
+// ------------------------------------------------------------------------------------------------ job
+void HostGatherJob::prepare() {
+  g.peers = peers.data();
+  const int64_t chunks = num_chunks();
+  chunk_left_.reset(new std::atomic<int64_t>[std::max<int64_t>(chunks, 1)]);
+  for (int64_t c = 0; c < chunks; ++c)
+    chunk_left_[c].store(std::min(chunk_items, num_items() - c * chunk_items), std::memory_order_relaxed);
+}
+
+void HostGatherJob::set_failed(const std::string& what) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (error_.empty()) error_ = what;
+  failed_.store(true, std::memory_order_release);
+}
+
+std::string HostGatherJob::error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
+}
+
+int64_t HostGatherJob::first_bad() const {
+  const int64_t b = bad_.load(std::memory_order_acquire);
+  return b == INT64_MAX ? -1 : b;
+}
+
+static inline void publish(uint32_t* flag, uint32_t v) { __atomic_store_n(flag, v, __ATOMIC_RELEASE); }
+
+void HostGatherJob::run_item(int64_t item) {
+  if (!failed()) {
+    try {
+      if (fail && item == 0)
+        throw std::runtime_error("injected failure (test hook _test_fail_next_host_gather)");
+      const int64_t b = item * item_rows, e = std::min(n, b + item_rows);
+      const int64_t bad = cpu::engram_gather_rows(g, b, e);
+      if (bad >= 0) {
+        int64_t cur = bad_.load(std::memory_order_relaxed);
+        while (bad < cur && !bad_.compare_exchange_weak(cur, bad, std::memory_order_acq_rel)) {
+        }
+      }
+    } catch (const std::exception& ex) {
+      set_failed(std::string("a host gather worker failed on work item ") + std::to_string(item) + ": " + ex.what());
+    } catch (...) {
+      set_failed("a host gather worker failed on work item " + std::to_string(item) + " (unknown exception)");
+    }
+  }
+  const int64_t c = item / chunk_items;
+  if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) == 1 && flags) publish(flags + c, seq);
+  if (done_items_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_items()) finish();
+}
+
+void HostGatherJob::finish() {
+  if (!failed()) {
+    try {
+      if (sf) cpu::engram_gather_sf(g);
+    } catch (const std::exception& ex) {
+      set_failed(std::string("the host gather of the scale factors failed: ") + ex.what());
+    }
+  }
+  if (status) {
+    const int64_t bad = first_bad();
+    *status = g.mode == engram::kModeChecked ? (bad >= 0 ? static_cast<int32_t>(bad) : engram::kNoBadPosition) : 0;
+  }
+  if (on_done) on_done(*this);
+  if (flags) {
+    for (int64_t c = 0; c < num_chunks(); ++c)  // already set unless an item never ran (a stopped pool)
+      if (__atomic_load_n(flags + c, __ATOMIC_ACQUIRE) != seq) publish(flags + c, seq);
+    publish(flags + num_chunks(), seq);
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    finished_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool HostGatherJob::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished_; });
+}
+
+// ----------------------------------------------------------------------------------------------- pool
+HostGatherPool* HostGatherPool::of(Member& m, int threads, int numa_node) {
+  std::lock_guard<std::mutex> lk(m.host_gather_mu);
+  if (!m.host_gather) {
+    m.host_gather = std::make_shared<HostGatherPool>(m.label + " rank " + std::to_string(m.rank));
+    m.host_gather->set_cpus(numa_node_cpus(numa_node));
+  }
+  m.host_gather->grow(std::max(threads, 1));
+  return m.host_gather.get();
+}
+
+int HostGatherPool::threads() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int>(threads_.size());
+}
+
+void HostGatherPool::set_cpus(std::vector<int> cpus) {
+  std::lock_guard<std::mutex> lk(mu_);
+  cpus_ = std::move(cpus);
+}
+
+void HostGatherPool::grow(int threads) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stopped_) return;
+  while (static_cast<int>(threads_.size()) < threads) {
+    threads_.emplace_back([this] { worker(); });
+    pthread_setname_np(threads_.back().native_handle(), "je-hostgather");
+    if (!cpus_.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int c : cpus_)
+        if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);  // best effort
+    }
+  }
+}
+
+void HostGatherPool::submit(std::shared_ptr<HostGatherJob> job) {
+  job->prepare();
+  if (job->num_items() == 0) {
+    job->finish();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stopped_ && !threads_.empty()) {
+      queue_.push_back(std::move(job));
+      cv_.notify_all();
+      return;
+    }
+  }
+  job->set_failed("the host gather pool of " + label_ + " is stopped (the context is closing)");
+  job->done_items_.store(job->num_items());
+  job->finish();
+}
+
+void HostGatherPool::worker() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped and drained
+    std::shared_ptr<HostGatherJob> job = queue_.front();
+    const int64_t item = job->next_.fetch_add(1, std::memory_order_relaxed);
+    if (item >= job->num_items()) {
+      if (!queue_.empty() && queue_.front() == job) queue_.pop_front();
+      continue;
+    }
+    if (item + 1 == job->num_items()) queue_.pop_front();  // the last item is taken: the next job may start
+    lk.unlock();
+    job->run_item(item);
+    lk.lock();
+  }
+}
+
+void HostGatherPool::stop() {
+  std::vector<std::thread> ts;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stopped_ = true;
+    ts.swap(threads_);
+  }
+  cv_.notify_all();
+  for (auto& t : ts) t.join();
+}
+
+void stop_host_gather(Member& m) {
+  std::shared_ptr<HostGatherPool> p;
+  {
+    std::lock_guard<std::mutex> lk(m.host_gather_mu);
+    p.swap(m.host_gather);
+  }
+  if (p) p->stop();
+}
+
+int host_gather_default_threads(bool cuda) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // CUDA: the host-memory-bound gather + copy pipeline peaks at 6-8 threads; CPU backend: a few threads keep CI
+  // light while still running the pool concurrently.
+  return std::min(cuda ? 8 : 4, hw);
+}
+
+std::vector<int> numa_node_cpus(int node) {
+  std::vector<int> cpus;
+  if (node < 0) return cpus;
+  const std::string path = "/sys/devices/system/node/node" + std::to_string(node) + "/cpulist";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return cpus;
+  char buf[4096] = {};
+  const size_t len = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[len] = 0;
+  // "0-7,16-23"
+  const char* p = buf;
+  while (*p) {
+    char* end = nullptr;
+    const long a = std::strtol(p, &end, 10);
+    if (end == p) break;
+    long b = a;
+    p = end;
+    if (*p == '-') {
+      b = std::strtol(p + 1, &end, 10);
+      p = end;
+    }
+    for (long c = a; c <= b && c < 4096; ++c) cpus.push_back(static_cast<int>(c));
+    while (*p == ',' || *p == '\n' || *p == ' ') ++p;
+  }
+  return cpus;
+}
+
+}  // namespace jax_engram
+
+namespace jax_engram {
+
+HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats) {
+  HostGatherRate r;
+  row_bytes = std::max<int64_t>(row_bytes, 1);
+  const int64_t rows = std::max<int64_t>(table_bytes / row_bytes, 1);
+  table_bytes = rows * row_bytes;
+  num_rows = std::max<int64_t>(num_rows, 1);
+  constexpr size_t kHuge = size_t{2} << 20;
+  auto round_up = [&](size_t b) { return (b + kHuge - 1) / kHuge * kHuge; };
+  void* tab = std::aligned_alloc(kHuge, round_up(static_cast<size_t>(table_bytes)));
+  void* out = std::aligned_alloc(kHuge, round_up(static_cast<size_t>(num_rows * row_bytes)));
+  if (!tab || !out) {
+    std::free(tab);
+    std::free(out);
+    r.error = "cannot allocate " + std::to_string(table_bytes) + " + " + std::to_string(num_rows * row_bytes) +
+              " bytes";
+    return r;
+  }
+#ifdef MADV_HUGEPAGE
+  madvise(tab, round_up(static_cast<size_t>(table_bytes)), MADV_HUGEPAGE);  // as the cuMem host segments' 2 MiB pages
+#endif
+  std::memset(tab, 1, static_cast<size_t>(table_bytes));
+  std::memset(out, 0, static_cast<size_t>(num_rows * row_bytes));
+  std::vector<int32_t> ids(num_rows);
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (auto& id : ids) {  // xorshift: uniform random rows
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    id = static_cast<int32_t>(x % static_cast<uint64_t>(std::min<int64_t>(rows, INT32_MAX)));
+  }
+  HostGatherPool pool("host_gather_rate");
+  pool.grow(std::max(threads, 1));
+  uint8_t* peer = static_cast<uint8_t*>(tab);
+  double best = 1e30;
+  for (int rep = 0; rep < std::max(repeats, 1); ++rep) {
+    auto job = std::make_shared<HostGatherJob>();
+    job->g.ids = ids.data();
+    job->g.T = num_rows;
+    job->g.E = 1;
+    job->g.num_entries = std::min<int64_t>(rows, INT32_MAX);
+    job->g.nranks = 1;
+    job->g.row_bytes = row_bytes;
+    job->g.out = static_cast<uint8_t*>(out);
+    job->peers = {peer};
+    job->n = num_rows;
+    job->item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / row_bytes, 1);
+    job->chunk_items = 1;
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.submit(job);
+    job->wait(3600.0);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  pool.stop();
+  std::free(tab);
+  std::free(out);
+  r.gather_gbps = static_cast<double>(num_rows * row_bytes) / best / 1e9;
+  r.seconds = best;
+  return r;
+}
+
+}  // namespace jax_engram

@@ -1,0 +1,60 @@
+"""The Engram host gather pool (issue 27): the CPU backend's fetches run on it, so CI checks the routine and the
+pool that the CUDA host-table path uses (tests/workers/engram_host_check.py does the work): bit-exact against the
+reference (modes, padding, FP8 + sf in both layouts, odd row sizes, R = 1 and 3 devices of one process and
+2 processes, 1 and 3 threads), two
+pending fetches with their own slots, thread lifecycle, a worker failure, the config rule and the host
+measurement helpers.
+
+GPU (marked gpu(1)): the same worker with host tables on the CUDA host path (host_gather="cpu"), one process and
+three ranks sharing one GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, WORKERS_DIR
+
+WORKER = WORKERS_DIR / "engram_host_check.py"
+
+
+def _run(*args, env=None, timeout=900):
+    e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=timeout,
+                          env=e, cwd=str(REPO_ROOT))
+
+
+def _check(p, min_passed=9):
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    res = json.loads(lines[-1][7:])
+    assert not res["failed"] and len(res["passed"]) >= min_passed, res
+    # a failed op is raised once, by the call: nothing again at interpreter exit
+    assert "Exception ignored" not in p.stderr, p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("ranks,threads", [(1, 1), (3, 3)])
+def test_host_gather_pool_cpu(ranks, threads):
+    _check(_run("--platform", "cpu", "--cpu-devices", str(ranks), "--threads", str(threads),
+                env={"JAX_PLATFORMS": "cpu"}))
+
+
+def test_host_gather_pool_two_processes_cpu(launch):
+    # peers' shards mapped from another process (imported memfds) are read by the same workers
+    res = launch(2, str(WORKER), platform="cpu", timeout=600)
+    assert len(res) == 2 and all(not r["failed"] and len(r["passed"]) >= 9 for r in res), res
+
+
+@pytest.mark.gpu(1)
+def test_host_gather_cuda_host_path_gpu():
+    _check(_run("--platform", "cuda", env={"CUDA_VISIBLE_DEVICES": "0"}))
+
+
+@pytest.mark.gpu(1)
+def test_host_gather_cuda_three_ranks_one_gpu(launch):
+    res = launch(3, str(WORKER), platform="cuda", timeout=900, env={"JAX_ENGRAM_GPUS": "1"})
+    assert len(res) == 3 and all(not r["failed"] and len(r["passed"]) >= 9 for r in res), res

@@ -1,0 +1,220 @@
+"""The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit.
+
+One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one
+rank) and one forced onto the native kernels (``ctx._ep_local = False``). Each seeded random case (layout,
+alignment, zero padding, K, E, N, M, dtype, FP8 with float32 / int32 scales, -1 ids, weights or None, 0-2 biases)
+runs ONE jitted program per path: dispatch, a cached dispatch of new x / weights, combine of a random y, and the vjp
+of dispatch -> experts -> combine. Every output the contract defines is compared between the paths and with the
+reference. The seed is fresh every run and printed (JAX_ENGRAM_EP_LOCAL_SEED replays it; JAX_ENGRAM_EP_LOCAL_CASES
+sets the number of cases).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jax_engram as je
+from jax_engram import reference as ref
+
+PLATFORM = os.environ.get("JAX_ENGRAM_EP_LOCAL_PLATFORM", "cpu")  # "cuda": the same cases on one GPU
+SEED = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_SEED", "0")) or int(np.random.SeedSequence().entropy % (1 << 31))
+CASES = int(os.environ.get("JAX_ENGRAM_EP_LOCAL_CASES", "6"))
+AX = "ep"
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    mesh = jax.make_mesh((1,), (AX,), devices=jax.devices(PLATFORM)[:1])
+    local = je.init(mesh, AX)
+    native = je.init(mesh, AX)
+    native._ep_local = False
+    yield mesh, local, native
+    native.close()
+    local.close()
+
+
+def _bits(a):
+    a = np.asarray(a)
+    if a.dtype.kind == "f" or a.dtype.name in ("bfloat16", "float8_e4m3fn"):
+        return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+    return a
+
+
+def _draw(rng):
+    expand = bool(rng.integers(2))
+    E = int(rng.choice([1, 3, 8, 16, 64]))
+    K = int(rng.integers(1, min(E, 9) + 1))
+    M = int(rng.integers(1, 40))
+    N = int(rng.integers(1, M + 1))
+    return dict(expand=expand, A=int(rng.choice([1, 8])), zero_padding=expand and bool(rng.integers(2)), E=E, K=K,
+                N=N, M=M, H=int(rng.choice([16, 32, 48])),
+                dtype=str(rng.choice(["bfloat16", "float32", "float16", "float8_e4m3fn"] if PLATFORM == "cpu"
+                                     else ["bfloat16", "float8_e4m3fn"])),  # GPU kernels: bf16 combines
+                sf=str(rng.choice(["float32", "int32"])), P=int(rng.integers(1, 4)), weights=bool(rng.integers(4)),
+                masked=float(rng.choice([0.0, 0.2, 0.6])), biases=int(rng.integers(3)),
+                y32=PLATFORM == "cpu" and bool(rng.integers(4) == 0))  # float32 y: the CPU kernels
+
+
+def _inputs(c, rng):
+    N, K, E, H = c["N"], c["K"], c["E"], c["H"]
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int32)
+    idx[rng.random((N, K)) < c["masked"]] = -1
+    xf = rng.standard_normal((N, H)).astype(np.float32)
+    xf[rng.random((N, H)) < 0.05] = -0.0
+    x = jnp.asarray(xf).astype(c["dtype"])
+    fp8 = c["dtype"] == "float8_e4m3fn"
+    sf = None
+    if fp8:
+        sf = (rng.standard_normal((N, c["P"])).astype(np.float32) if c["sf"] == "float32"
+              else rng.integers(-2 ** 31, 2 ** 31 - 1, (N, c["P"]), dtype=np.int64).astype(np.int32))
+    w = rng.standard_normal((N, K)).astype(np.float32) if c["weights"] else None
+    x2 = jnp.asarray(rng.standard_normal((N, H)).astype(np.float32)).astype(c["dtype"])
+    w2 = rng.standard_normal((N, K)).astype(np.float32) if c["weights"] else None
+    rows = ref.expand_rows(1, c["M"], K, E, c["A"]) if c["expand"] else c["M"]
+    ydt = jnp.float32 if c["y32"] else jnp.bfloat16
+    y = jnp.asarray(rng.standard_normal((rows, H)).astype(np.float32)).astype(ydt)
+    yw = rng.standard_normal((rows,) if c["expand"] else (rows, K)).astype(np.float32)
+    bias = tuple(jnp.asarray(rng.standard_normal((N, H)).astype(np.float32)).astype(ydt) for _ in range(c["biases"]))
+    ct_x = jnp.asarray(rng.standard_normal((N, H)).astype(np.float32)).astype(ydt)
+    ct_w = rng.standard_normal((N, K)).astype(np.float32)
+    return dict(x=x, idx=idx, w=w, sf=sf, x2=x2, w2=w2, y=y, yw=yw, bias=bias, ct_x=ct_x, ct_w=ct_w)
+
+
+def _program(ctx, mesh, c, d):
+    kw = dict(ctx=ctx, num_experts=c["E"], max_tokens_per_rank=c["M"], expand=c["expand"],
+              expert_alignment=c["A"], zero_padding=c["zero_padding"])
+    fp8 = c["dtype"] == "float8_e4m3fn"
+    ydt = d["y"].dtype
+
+    def body(x, idx, w, sf, x2, w2, y, yw, bias, ct_x, ct_w):
+        res = je.dispatch(x, idx, w, x_scales=sf, **kw)
+        cached = je.dispatch(x2, None, w2, x_scales=sf, handle=res.handle, **kw)
+        comb = je.combine(y, res.handle, topk_weights=yw, bias=bias or None)
+
+        def model(x, w, y, bias):  # dispatch -> experts -> combine
+            r = je.dispatch(x, idx, w, x_scales=sf, **kw)
+            h = (r.recv_x.astype(jnp.float32) * 1.5).astype(ydt) + y
+            cw = r.recv_topk_weights * 2.0 if r.recv_topk_weights is not None else None
+            out = je.combine(h, r.handle, topk_weights=cw, bias=bias or None)
+            return out.combined_x, out.combined_topk_weights
+
+        primals = (x, w, y, bias)
+        diff = (lambda x, w, y, b: model(x, w, y, b)) if not fp8 else (lambda w, y, b: model(x, w, y, b))
+        outs, vjp = jax.vjp(diff, *(primals if not fp8 else primals[1:]))
+        grads = vjp((ct_x, ct_w if w is not None else None))
+        return res, cached, comb, outs, grads
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    return f(d["x"], d["idx"], d["w"], d["sf"], d["x2"], d["w2"], d["y"], d["yw"], d["bias"], d["ct_x"],
+             d["ct_w"])
+
+
+def _same(a, b, what, rows=None):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    a, b = _bits(a), _bits(b)
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    if rows is not None:
+        a, b = a[np.asarray(rows)], b[np.asarray(rows)]
+    np.testing.assert_array_equal(a, b, err_msg=what)
+
+
+def _compare_dispatch(a, b, c, token_ok, row_ok, tag):
+    _same(a.recv_x, b.recv_x, f"{tag} recv_x", row_ok)
+    _same(a.recv_x_scales, b.recv_x_scales, f"{tag} recv_x_scales", row_ok)
+    _same(a.recv_topk_weights, b.recv_topk_weights, f"{tag} recv_topk_weights",
+          row_ok if c["expand"] else token_ok)
+
+
+def _compare_handle(a, b, c, token_ok, tag):
+    _same(a.recv_topk_idx, b.recv_topk_idx, f"{tag} recv_topk_idx", None if a.recv_topk_idx is None else token_ok)
+    for f in ("num_recv_tokens", "group_sizes"):
+        _same(getattr(a, f), getattr(b, f), f"{tag} {f}")
+    ha, hb = a.handle, b.handle
+    for f in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+              "num_unaligned_recv_tokens_per_expert", "dst_row", "topk_idx"):
+        _same(getattr(ha, f), getattr(hb, f), f"{tag} handle.{f}")
+    cols = slice(None) if c["expand"] else slice(0, 2)  # non-expand: [:, 2:] is not defined
+    _same(np.asarray(ha.recv_src_metadata)[:, cols], np.asarray(hb.recv_src_metadata)[:, cols],
+          f"{tag} handle.recv_src_metadata", token_ok)
+
+
+def test_one_rank_path_matches_native_and_reference(contexts):
+    mesh, local, native = contexts
+    print(f"test_ep_local seed {SEED} (replay: JAX_ENGRAM_EP_LOCAL_SEED={SEED})")
+    rng = np.random.default_rng(SEED)
+    ran = 0
+    for case in range(CASES):
+        c = _draw(rng)
+        d = _inputs(c, rng)
+        tag = f"seed {SEED} case {case} {c}"
+        lo = _program(local, mesh, c, d)
+        na = _program(native, mesh, c, d)
+        rd = ref.ep_dispatch(d["x"][None], d["idx"][None], None if d["w"] is None else d["w"][None],
+                             num_experts=c["E"], max_tokens_per_rank=c["M"], expand=c["expand"],
+                             expert_alignment=c["A"], zero_padding=c["zero_padding"],
+                             x_scales=None if d["sf"] is None else d["sf"][None])
+        rd = ref.per_rank(rd, 0)
+        token_ok, row_ok = np.asarray(rd["recv_token_valid"]), np.asarray(rd["recv_row_defined"])
+        (res_l, cached_l, comb_l, outs_l, grads_l), (res_n, cached_n, comb_n, outs_n, grads_n) = lo, na
+        for other, name in ((res_n, "native"), (None, "reference")):
+            if other is None:
+                class _R:  # the reference's dict seen through the result's field names
+                    recv_x, recv_x_scales = rd["recv_x"], rd["recv_x_scales"]
+                    recv_topk_weights = rd["recv_topk_weights"]
+                other = _R
+            _compare_dispatch(res_l, other, c, token_ok, row_ok, f"{tag} dispatch vs {name}")
+        _compare_handle(res_l, res_n, c, token_ok, f"{tag} vs native")
+        for f in ("num_recv_tokens", "group_sizes", "psum_num_recv_tokens_per_rank",
+                  "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert"):
+            got = getattr(res_l, f) if hasattr(res_l, f) else getattr(res_l.handle, f)
+            _same(got, np.asarray(rd[f]).reshape(np.shape(got)), f"{tag} {f} vs reference")
+        cols = slice(None) if c["expand"] else slice(0, 2)
+        _same(np.asarray(res_l.handle.recv_src_metadata)[:, cols], np.asarray(rd["recv_src_metadata"])[:, cols],
+              f"{tag} recv_src_metadata vs reference", token_ok)
+        _compare_dispatch(cached_l, cached_n, c, token_ok, row_ok, f"{tag} cached dispatch vs native")
+        _same(comb_l.combined_x, comb_n.combined_x, f"{tag} combined_x vs native")
+        _same(comb_l.combined_topk_weights, comb_n.combined_topk_weights, f"{tag} combined_topk_weights vs native")
+        if not c["y32"]:
+            want_x, want_w = ref.ep_combine(d["y"][None], {k: v[None] for k, v in rd.items() if v is not None},
+                                            d["idx"][None], num_experts=c["E"], max_tokens_per_rank=c["M"],
+                                            expand=c["expand"], topk_weights=d["yw"][None],
+                                            bias=tuple(b[None] for b in d["bias"]) or None)
+            _same(comb_l.combined_x, want_x[0], f"{tag} combined_x vs reference")
+            _same(comb_l.combined_topk_weights, want_w[0], f"{tag} combined_topk_weights vs reference")
+        for i, (a, b) in enumerate(zip(outs_l, outs_n)):
+            _same(a, b, f"{tag} model output {i} vs native")
+        la, lb = jax.tree.leaves(grads_l), jax.tree.leaves(grads_n)
+        assert len(la) == len(lb) and la, tag
+        for i, (a, b) in enumerate(zip(la, lb)):
+            _same(a, b, f"{tag} gradient {i} vs native")
+        ran += 1
+    assert ran == CASES
+
+
+def test_one_rank_path_calls_nothing_native_and_takes_no_region(contexts):
+    mesh, local, native = contexts
+    N, H, K, E = 16, 16, 4, 8
+
+    def program(ctx):
+        def body(x, idx, w):
+            r = je.dispatch(x, idx, w, ctx=ctx, num_experts=E, max_tokens_per_rank=N, expand=True,
+                            expert_alignment=8)
+            c = je.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, token=r.token)
+            return c.combined_x, c.token
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+    args = (jnp.ones((N, H), jnp.bfloat16), jnp.tile(jnp.arange(K, dtype=jnp.int32), (N, 1)), jnp.ones((N, K)))
+    regions = dict(local._regions)
+    hlo = program(local).lower(*args).as_text()
+    out, _ = program(local)(*args)
+    assert "jax_engram_ep" not in hlo and local._regions == regions
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((N, H), K, np.float32))
+    assert "jax_engram_ep_dispatch" in program(native).lower(*args).as_text()  # the switch reaches the kernels
