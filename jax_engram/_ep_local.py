@@ -8,8 +8,8 @@ region (the context's memory needs do not change), no host synchronisation, no r
 
 ``dispatch_p`` and ``combine_p`` take and return exactly what the native calls of :mod:`jax_engram._ep_flat` do,
 so the flat path (after :mod:`jax_engram._ep_args` validated the arguments once) calls one or the other; the
-choice is made per context (:func:`applies`), so the handles of one context always come from one path. The handle's fields are
-the native path's, so either path could read the other's handles, but nothing mixes them.
+choice is made per context (:func:`applies`), so the handles of one context always come from one path. The
+handle's fields are the native path's, so either path could read the other's handles, but nothing mixes them.
 
 Numerics (bit for bit the native path's): rows are moved as their bit patterns (NaN payloads, subnormals and -0.0
 kept); every sum is a left fold in float32 from -0.0 over the terms in the documented order, rounded once per
