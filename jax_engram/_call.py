@@ -117,3 +117,17 @@ def call(ctx, target: str, results, *operands, **attrs):
     attrs = {k: (i64(v) if isinstance(v, (bool, int, np.integer)) else v) for k, v in attrs.items()}
     outs = jax.ffi.ffi_call(target, results, has_side_effect=True)(*operands, ctx_id=i64(ctx.id), **attrs)
     return outs
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies along (shard_map's type of x)."""
+    t = jax.typeof(x)
+    return frozenset(t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma)  # jax >= 0.11.2 / older
+
+
+def vary(x, axes):
+    """x marked as varying along every axis of ``axes`` (one mesh axis name or a tuple of them): results of a
+    custom call get their type from their operands, and collectives over an axis need operands varying along it."""
+    x = jnp.asarray(x)
+    missing = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -6,10 +6,10 @@ module computes exactly the layouts, handle fields and sums of docs/semantics.md
 "Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no native call, no staging
 region (the context's memory needs do not change), no host synchronisation, no recompilation when counts change.
 
-``dispatch_p`` and ``combine_p`` take and return exactly what ``ep._dispatch_p`` / ``ep._combine_p`` do, so
-``ep.dispatch`` / ``ep.combine`` validate their arguments once and then call one or the other; the choice is made
-per context (:func:`applies`), so the handles of one context always come from one path. The handle's fields are
-the native path's, so either path could read the other's handles, but nothing mixes them.
+``dispatch_p`` and ``combine_p`` take and return exactly what the native calls of :mod:`jax_engram._ep_flat` do,
+so the flat path (after :mod:`jax_engram._ep_args` validated the arguments once) calls one or the other; the
+choice is made per context (:func:`applies`), so the handles of one context always come from one path. The
+handle's fields are the native path's, so either path could read the other's handles, but nothing mixes them.
 
 Numerics (bit for bit the native path's): rows are moved as their bit patterns (NaN payloads, subnormals and -0.0
 kept); every sum is a left fold in float32 from -0.0 over the terms in the documented order, rounded once per
@@ -221,8 +221,8 @@ def _combine_dtype(dtype):
 
 
 # --------------------------------------------------------------------------------------------- dispatch vjp
-# The operands of ep._dispatch_p: routing = (topk_idx,) fresh, (meta, psum_rank, psum_expert, unaligned, dst_row,
-# topk_idx) cached; outputs as ep._dispatch_p's.
+# The operands of the native dispatch (_ep_flat._dispatch_raw / _cached_raw): routing = (topk_idx,) fresh,
+# (meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx) cached; outputs as theirs.
 def _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
     x, w, sf, routing, token = _fence(x, w, sf, routing, token)
@@ -243,7 +243,7 @@ def _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def dispatch_p(cfg, zero_padding, cached, x, w, sf, routing, token):
-    """ep._dispatch_p at one rank (same operands, same outputs, same gradients)."""
+    """The native dispatch at one rank (same operands, same outputs, same gradients)."""
     return _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token)[0]
 
 
@@ -279,7 +279,8 @@ dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 # ---------------------------------------------------------------------------------------------- combine vjp
-# The operands of ep._combine_p: harr = (meta, dst_row, topk_idx, psum_rank, psum_expert, unaligned, recv_topk).
+# The operands of the native combine (_ep_flat._combine_raw): harr = (meta, dst_row, topk_idx, psum_rank,
+# psum_expert, unaligned, recv_topk).
 def _combine_impl(cfg, y, w, biases, harr, token):
     y, w, biases, harr, token = _fence(y, w, tuple(biases), harr, token)
     meta, dst_row, topk_idx = harr[:3]
@@ -289,7 +290,7 @@ def _combine_impl(cfg, y, w, biases, harr, token):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def combine_p(cfg, y, w, biases, harr, token):
-    """ep._combine_p at one rank (same operands, same outputs, same gradients)."""
+    """The native combine at one rank (same operands, same outputs, same gradients)."""
     return _combine_impl(cfg, y, w, biases, harr, token)
 
 

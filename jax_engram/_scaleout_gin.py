@@ -59,7 +59,7 @@ _TOPOLOGY_STEPS, _INIT_STEPS = 4, 2
 
 
 def probe(ctx) -> tuple[str, str]:
-    """(inter-node path, reason) of a :class:`~jax_engram._scaleout.HierContext`. Collective over the processes
+    """(inter-node path, reason) of a :class:`~jax_engram.context.HierContext`. Collective over the processes
     of the context only past the single-node / CPU checks (which every process answers alike); every process
     returns the same answer, or raises the same error when a process died."""
     if ctx.platform != "gpu":

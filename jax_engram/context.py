@@ -16,16 +16,18 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _ffi, _jax_private
+from jax_engram import _call, _ffi, _jax_private, _scaleout_gin
 from jax_engram._exchange import Exchange
 from jax_engram.config import EPConfig, ep_config as _ep_config
 
@@ -558,14 +560,158 @@ class Context:
         return freed
 
 
+# ----------------------------------------------------------------------------------- contexts of several axes
+class HierContext:
+    """A jax_engram context over a tuple of mesh axes ``(node axes..., local axis)``. Create with
+    ``jax_engram.init(mesh, ("node", "gpu"))``. Ops run inside ``jax.shard_map`` over all of these axes
+    (``P(("node", "gpu"))``); the signatures of every op are those of the flat path."""
+
+    hierarchical = True
+
+    def __init__(self, mesh, axes: tuple, *, device_bytes, host_bytes, timeout_s: float, cuda_graphs: bool = False,
+                 ep_config=None):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        axes = tuple(axes)
+        if len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
+            raise ValueError(f"jax_engram.init: the EP group {axes!r} must be distinct mesh axis names")
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"jax_engram.init: axis {a!r} of the EP group {axes!r} is not an axis of the mesh "
+                                 f"{mesh.axis_names}")
+        self.mesh = mesh
+        self.axis_name = axes
+        self.node_axes = axes[:-1]
+        self.local_axis = axes[-1]
+        self.num_nodes = int(math.prod(mesh.shape[a] for a in self.node_axes))
+        self.local_size = int(mesh.shape[self.local_axis])
+        self.num_ranks = self.num_nodes * self.local_size
+        self.inner = Context(mesh, self.local_axis, device_bytes=device_bytes, host_bytes=host_bytes,
+                             timeout_s=timeout_s, cuda_graphs=cuda_graphs, ep_config=ep_config)
+        self.ep_config = self.inner.ep_config  # the intra-node dispatches' tuning
+        self.platform = self.inner.platform
+        self.timeout_s = self.inner.timeout_s
+        self.cuda_graphs = self.inner.cuda_graphs
+        self.id = self.inner.id
+        self.device_bytes, self.host_bytes = self.inner.device_bytes, self.inner.host_bytes
+        self._inter_node_path, self._gin_reason = _scaleout_gin.probe(self)
+
+    # The node axis as jax.lax collectives take it (a name or a tuple of names).
+    @property
+    def node_axis(self):
+        return self.node_axes[0] if len(self.node_axes) == 1 else self.node_axes
+
+    @property
+    def inter_node_path(self) -> str:
+        """How Engram rows cross nodes: "gin" or "xla all_to_all" (static capacity, same-rail); see
+        :mod:`jax_engram._scaleout_gin`."""
+        return self._inter_node_path
+
+    def _check_open(self) -> None:
+        self.inner._check_open()
+
+    @property
+    def _closed(self) -> bool:
+        return self.inner._closed
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def errors(self) -> list[dict]:
+        return self.inner.errors()
+
+    def graph_captures(self) -> dict:
+        return self.inner.graph_captures()
+
+    def dispatch_path(self, **kw) -> str:
+        """How the intra-node leg of ``dispatch`` moves rows (see ``Context.dispatch_path``)."""
+        return self.inner.dispatch_path(**kw)
+
+    def region(self, *a, **k):
+        raise NotImplementedError("jax_engram: a hierarchical (node, local) context has no symmetric memory of its "
+                                  "own; Engram tables and EP buffers live in its per-node inner context "
+                                  "(ctx.inner); barrier / ring_exchange need a flat context")
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> "HierContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"HierContext(axes={self.axis_name!r}, nodes={self.num_nodes}, ranks_per_node={self.local_size}, "
+                f"ranks={self.num_ranks}, platform={self.platform}, inner={self.inner!r})")
+
+    def info(self) -> dict:
+        d = dict(self.inner.info())
+        d.update({"axis": self.axis_name, "num_ranks": self.num_ranks, "hierarchical": True,
+                  "nodes": self.num_nodes, "ranks_per_node": self.local_size, "node_axes": self.node_axes,
+                  "local_axis": self.local_axis, "inter_node_path": self.inter_node_path,
+                  "intra_node_path": "jax_engram windows (shared memory)" if self.platform == "cpu"
+                  else "jax_engram windows (NVLink)",
+                  "gin": "in use" if self._inter_node_path == "gin" else f"not used: {self._gin_reason}",
+                  "inner": {"id": self.inner.id, "groups": len(self.inner._groups)}})
+        return d
+
+    # ------------------------------------------------------------------------------------- in shard_map
+    def node_index(self):
+        return jax.lax.axis_index(self.node_axis).astype(jnp.int32)
+
+    def local_index(self):
+        return jax.lax.axis_index(self.local_axis).astype(jnp.int32)
+
+    def varying(self, x):
+        """x marked as varying along every axis of the group (collectives over the node axes need it)."""
+        return _call.vary(x, self.axis_name)
+
+    def node_all_to_all(self, x):
+        """x [num_nodes, ...]: block b goes to the same-rail rank of node b; returns [num_nodes, ...] with block a
+        from node a. Payloads travel as unsigned integers of their width (bit-exact for every dtype)."""
+        x = self.varying(x)
+        if self.num_nodes == 1:
+            return x
+        dt = x.dtype
+        u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dt).itemsize]
+        xu = jax.lax.bitcast_convert_type(x, u) if dt != u else x
+        yu = jax.lax.all_to_all(xu, self.node_axis, 0, 0, tiled=True)
+        return jax.lax.bitcast_convert_type(yu, dt) if dt != u else yu
+
+
+@runtime_checkable
+class AnyContext(Protocol):
+    """What :func:`init` returns: a :class:`Context` (one mesh axis) or a :class:`HierContext` (a tuple of mesh
+    axes ``("node", "gpu")``). Every op takes either through ``ctx=``; both offer these members."""
+
+    mesh: jax.sharding.Mesh
+    axis_name: Any  #: the mesh axis (str) or axes (tuple of str) of the group
+    num_ranks: int
+    platform: str
+    timeout_s: float
+    cuda_graphs: bool
+    ep_config: EPConfig
+
+    def check(self) -> None: ...
+
+    def errors(self) -> list[dict]: ...
+
+    def info(self) -> dict: ...
+
+    def dispatch_path(self, **kw) -> str: ...
+
+    def close(self) -> None: ...
+
+
 def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_bytes: int | None = None,
          host_bytes: int | None = None,
-         timeout_s: float = 100.0, cuda_graphs: bool = False, ep_config: EPConfig | None = None) -> Context:
+         timeout_s: float = 100.0, cuda_graphs: bool = False, ep_config: EPConfig | None = None) -> AnyContext:
     """Create a jax_engram context over `axis_name` of `mesh` (collective over the mesh's processes).
 
     axis_name may be a tuple of mesh axes ``("node", "gpu")``: a hierarchical EP group spanning nodes (the
-    last axis inside one node; global rank = node-major). The same ops and tables work on it; ids and tokens
-    cross nodes through XLA collectives over the node axes (README, "Across nodes").
+    last axis inside one node; global rank = node-major): a :class:`HierContext`. The same ops and tables work
+    on it; ids and tokens cross nodes through XLA collectives over the node axes (README, "Across nodes").
 
     Every op of the context runs inside ``jax.jit(jax.shard_map(...))`` over a mesh that places the devices as
     ``mesh`` does (``ctx.mesh``); another device order is refused when the function is lowered.
@@ -588,7 +734,6 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
         if len(axis_name) == 1:
             axis_name = axis_name[0]
         else:
-            from jax_engram._scaleout import HierContext
             return HierContext(mesh, tuple(axis_name), device_bytes=device_bytes, host_bytes=host_bytes,
                                timeout_s=timeout_s, cuda_graphs=cuda_graphs, ep_config=ep_config)
     return Context(mesh, axis_name, device_bytes=device_bytes, host_bytes=host_bytes, timeout_s=timeout_s,

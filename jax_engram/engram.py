@@ -70,9 +70,9 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_engram import _call, _ffi
+from jax_engram import _call, _ffi, _scaleout
 from jax_engram.config import EngramConfig
-from jax_engram.context import Context, JaxEngramError
+from jax_engram.context import AnyContext, HierContext, JaxEngramError
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
 
@@ -181,9 +181,11 @@ class EngramTable:
       num_entries: rows per rank (every rank holds the same number).
       hidden: elements per row.
       dtype: bfloat16, float16, float32 or float8_e4m3fn.
-      ctx: a :class:`jax_engram.Context`. Construction is collective (every process constructs its tables
-        in the same order) and takes memory from the context (``ctx.region``): from the init reservation
-        of that placement (``device_bytes`` / ``host_bytes``) if one was given, else a segment of its own.
+      ctx: a :class:`jax_engram.Context`, or a ("node", "gpu") context (:class:`jax_engram.HierContext`; ids
+        are global over all its ranks, rows cross nodes as ``inter_node_path`` says). Construction is
+        collective (every process constructs its tables in the same order) and takes memory from the context
+        (``ctx.region``): from the init reservation of that placement (``device_bytes`` / ``host_bytes``) if
+        one was given, else a segment of its own.
       placement: ``"host"`` (host-NUMA memory, read by the GPUs over PCIe/C2C) or ``"device"`` (HBM of the
         owner, read by peers over NVLink).
       num_sf_packs: P > 0 keeps a replicated scale-factor table ``[num_ranks*num_entries, P]`` of
@@ -195,14 +197,7 @@ class EngramTable:
         it per call. Part of the jit cache key.
     """
 
-    def __new__(cls, *args, **kwargs):
-        ctx = kwargs.get("ctx")
-        if cls is EngramTable and getattr(ctx, "hierarchical", False):  # a (node, local) group: jax_engram._scaleout
-            from jax_engram._scaleout import hier_engram_table_class
-            cls = hier_engram_table_class()
-        return super().__new__(cls)
-
-    def __init__(self, num_entries: int, hidden: int, dtype: Any = jnp.bfloat16, *, ctx: Context,
+    def __init__(self, num_entries: int, hidden: int, dtype: Any = jnp.bfloat16, *, ctx: AnyContext,
                  placement: Placement = "host", num_sf_packs: int = 0, sf_dtype: Any = np.float32,
                  sf_placement: Placement = "device", config: EngramConfig | None = None):
         pre = "jax_engram.EngramTable"
@@ -240,9 +235,23 @@ class EngramTable:
         if self.total_entries > _INT32_MAX:
             raise ValueError(f"{pre}: num_ranks*num_entries = {self.total_entries} exceeds 2**31-1; global ids are "
                              "int32")
-        self._uid = next(_uids)
         self.nbytes = self.num_entries * self.row_bytes
         self.sf_nbytes = self.total_entries * self.num_sf_packs * 4
+        self._token = None  # chain of the *_global calls (write -> lookups -> write ...)
+        self._global_fns: dict = {}
+        self._hier: _scaleout.HierEngram | None = None
+        if isinstance(ctx, HierContext):  # a ("node", "gpu") group: the rows live in per-node inner tables
+            inner = EngramTable(num_entries, hidden, dtype, ctx=ctx.inner, placement=placement,
+                                num_sf_packs=num_sf_packs, sf_dtype=sf_dtype, sf_placement=sf_placement,
+                                config=config)
+            try:
+                self._hier = _scaleout.HierEngram(ctx, inner)
+            except BaseException:
+                inner.free()
+                raise
+            self._uid, self.region, self.sf_region = inner._uid, inner.region, inner.sf_region
+            return
+        self._uid = next(_uids)
         self.region = ctx.region(self.nbytes, placement, key=("engram", self._uid),
                                  what=f"Engram table ({self.num_entries} rows x {self.hidden} {dt.name} per rank)")
         self.sf_region = None
@@ -255,14 +264,23 @@ class EngramTable:
             except BaseException:
                 ctx.release(self.region)
                 raise
-        self._token = None  # chain of the *_global calls (write -> lookups -> write ...)
-        self._global_fns: dict = {}
 
     # -------------------------------------------------------------------------------------- helpers
     def __repr__(self) -> str:
         sf = f", num_sf_packs={self.num_sf_packs} ({self.sf_dtype.name})" if self.num_sf_packs else ""
-        return (f"EngramTable({self.num_ranks} ranks x {self.num_entries} rows, hidden={self.hidden}, "
+        text = (f"EngramTable({self.num_ranks} ranks x {self.num_entries} rows, hidden={self.hidden}, "
                 f"{self.dtype.name}, placement={self.placement!r}{sf}, {self.nbytes} bytes per rank)")
+        if self._hier is None:
+            return text
+        return f"Hierarchical{text} ({self.ctx.num_nodes} nodes x {self.ctx.local_size})"
+
+    @property
+    def inter_node_path(self) -> str:
+        """On a ("node", "gpu") context: how this table's rows cross nodes, "gin" or "xla all_to_all" (see
+        ``ctx.info()["gin"]``)."""
+        if self._hier is None:
+            raise AttributeError("EngramTable.inter_node_path: the table's context has one axis (no nodes to cross)")
+        return self._hier.inter_node_path
 
     # The attributes of each op are those of its struct in ffi/handlers/engram_bindings.h, all of them and no
     # other (XLA decodes the whole attribute dictionary into the struct; ctx_id is added by _call.call).
@@ -332,6 +350,8 @@ class EngramTable:
         lookup of this table in the same program). Returns a float32 [] token: pass it to the fetches that
         must see the new table.
         """
+        if self._hier is not None:
+            return self._hier.write(storage, sf, token=token)
         _call.check_axis(self.ctx, "EngramTable.write")
         pre = "jax_engram EngramTable.write"
         storage = jnp.asarray(storage)
@@ -386,6 +406,8 @@ class EngramTable:
         ``config.fetch_gather`` with ``overlap=True`` (default: bulk copies on ``config.num_sms`` SMs) and
         ``config.lookup_gather`` without (default: the full-grid gather).
         """
+        if self._hier is not None:
+            return self._fetch_hierarchical(indices, token, mode, sf_layout, config)
         _call.check_axis(self.ctx, "EngramTable.fetch")
         cfg = _check_config("jax_engram EngramTable.fetch", config) or self.config
         mode_i = _check_choice("mode", mode, ENGRAM_MODES)
@@ -426,6 +448,8 @@ class EngramTable:
         if not isinstance(pending, EngramPending):
             raise TypeError(f"jax_engram EngramTable.wait: expected the EngramPending returned by fetch, got "
                             f"{type(pending).__name__}")
+        if self._hier is not None:  # the hierarchical fetch ran the whole lookup
+            return pending.data, (pending.sf if pending.has_sf else None)
         if pending.data.size == 0:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
@@ -446,6 +470,22 @@ class EngramTable:
             jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), status,
                                pending.indices, jax.lax.axis_index(self.ctx.axis_name))
         return data, (sf if pending.has_sf else None)
+
+    def _fetch_hierarchical(self, indices, token, mode, sf_layout, config) -> EngramPending:
+        """fetch on a ("node", "gpu") context: the whole path (inter-node exchange, inner reads, exchange back)
+        runs here and ``wait`` only hands the result over."""
+        _call.check_axis(self.ctx, "EngramTable.fetch")
+        _check_choice("mode", mode, ENGRAM_MODES)
+        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        indices = self._indices(indices, "fetch")
+        T, E = indices.shape
+        sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
+        if T * E == 0:
+            return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
+                                 jnp.zeros(self.sf_shape(T, E, sf_layout), sf_dt), jnp.zeros((), jnp.int32), indices,
+                                 bool(self.num_sf_packs), False)
+        data, sf, status = self._hier.fetch(indices, token, mode, sf_layout, config)
+        return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), False)
 
     def lookup(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
                sf_layout: SfLayout = "row",
@@ -521,6 +561,8 @@ class EngramTable:
         config = config or self.config
         key = ("lookup", mode, sf_layout, sharded, config)
         fn = self._global_fns.get(key)
+        if fn is None and self._hier is not None and not sharded:
+            fn = self._global_fns[key] = self._hier.replicated_lookup_fn(self, mode, sf_layout, config)
         if fn is None:
             mesh, ax = self._mesh_spec()
             ids_spec = P(ax, None) if sharded else P()
@@ -557,6 +599,8 @@ class EngramTable:
         config = _check_config("jax_engram EngramTable.lookup_global", config)
         _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         mesh, ax = self._mesh_spec()
+        if sharded is None and self._hier is not None:
+            sharded = self._hier.ids_sharded(ids)
         if np.ndim(ids) != 2:
             raise ValueError(f"jax_engram EngramTable.lookup_global: ids must be [num_tokens, ids_per_token], got "
                              f"shape {np.shape(ids)}")
@@ -594,6 +638,10 @@ class EngramTable:
 
     def free(self) -> None:
         """Give the table's memory back to the context (collective, like construction)."""
+        if self._hier is not None:
+            self._hier.free()
+            self.region = self.sf_region = None
+            return
         for r in (self.region, self.sf_region):
             if r is not None:
                 self.ctx.release(r)

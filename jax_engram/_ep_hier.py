@@ -1,0 +1,346 @@
+"""The hierarchical EP path: dispatch / combine over a ("node", "gpu") context
+(:class:`~jax_engram.context.HierContext`), a sibling of :mod:`jax_engram._ep_flat` built on it: everything that
+crosses nodes runs on XLA collectives over the node axes inside the caller's jitted program
+(``jax.lax.all_to_all`` with static capacity; same-rail forwarding: rank (node a, local j) exchanges only with
+(node b, local j)); everything inside a node runs on the flat ops of the context's per-node inner context.
+Results are bit-identical to the flat path over the same global ranks. Takes the validated arguments of
+:mod:`jax_engram._ep_args`; the gradients are the shared rules of :mod:`jax_engram._ep_autodiff`.
+
+EP dispatch (``dispatch``): one copy of a token per destination node (``all_to_all`` over the node axis,
+capacity N tokens per node), then the intra-node dispatch on the receiving (forwarding) rank. To keep
+combine bit-exact the forwarding rank splits every forwarded token into one intra-node token per
+destination rank of its node (at most ``S = min(K, local_size)``), so the intra-node combine never adds two
+ranks' rows: one partial row per (token, destination rank) travels back across nodes and the source folds
+them in the flat order (fp32, ascending master top-k position, bias first). A per-node reduce would send one
+row per (token, node) instead but round differently; exactness costs S times the combine's inter-node bytes
+and S times the intra-node staging on the forwarding rank. The intra-node op's receive order (forwarding rank,
+source node, token) is permuted on device into the flat order (source rank, token) with gathers built from
+``recv_src_metadata``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_engram import _ep_autodiff, _ep_flat
+from jax_engram._ep_args import CombineArgs, DispatchArgs, combine_args, dispatch_args, routing_errors
+from jax_engram._ep_types import HANDLE_FIELDS, CombineResult, DispatchResult, EPHandle, expand_rows
+
+__all__ = ["HierEPHandle", "Geometry", "dispatch", "combine"]
+
+_HIER_HANDLE_FIELDS = ("inner", "tok_src", "row_src", "inner_tok_flat", "inner_row_flat")
+
+
+# ---------------------------------------------------------------------------------------------------- EP
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[*HANDLE_FIELDS, *_HIER_HANDLE_FIELDS],
+                   meta_fields=["config"])
+@dataclasses.dataclass(frozen=True, repr=False)
+class HierEPHandle(EPHandle):
+    """The EPHandle of a dispatch over a :class:`~jax_engram.context.HierContext`. The flat fields hold the
+    flat-path values over the global ranks (``dst_row`` included); ``inner`` is the intra-node dispatch's handle
+    and the other extra arrays map rows between the intra-node layout and the flat one."""
+
+    inner: Any = None
+    tok_src: Any = None
+    row_src: Any = None
+    inner_tok_flat: Any = None
+    inner_row_flat: Any = None
+
+    @classmethod
+    def build(cls, config, **arrays):
+        """A handle from the arrays it has (the flat fields it does not have are None)."""
+        return cls(config=config, **{f: arrays.get(f) for f in (*HANDLE_FIELDS, *_HIER_HANDLE_FIELDS)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The shape of a hierarchical dispatch. Every forwarded token is split on the forwarding rank into
+    ``copies_per_token`` intra-node tokens (one per destination rank of its node), so the intra-node dispatch
+    sees at most ``inner_max_tokens = num_nodes * num_tokens * copies_per_token`` tokens per rank."""
+
+    num_nodes: int
+    num_scaleup_ranks: int  # ranks per node (the local axis)
+    num_ranks: int
+    topk: int
+    num_tokens: int
+    max_tokens_per_rank: int
+    copies_per_token: int  # min(topk, num_scaleup_ranks)
+    num_local_experts: int
+    inner_max_tokens: int
+
+    @property
+    def inner_num_experts(self) -> int:
+        """The experts of one node (the intra-node dispatch's num_experts)."""
+        return self.num_scaleup_ranks * self.num_local_experts
+
+
+def _geometry(cfg) -> Geometry:
+    ctx = cfg.ctx
+    copies = min(cfg.topk, ctx.local_size)
+    return Geometry(num_nodes=ctx.num_nodes, num_scaleup_ranks=ctx.local_size, num_ranks=ctx.num_ranks,
+                    topk=cfg.topk, num_tokens=cfg.num_tokens, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                    copies_per_token=copies, num_local_experts=cfg.num_local_experts,
+                    inner_max_tokens=ctx.num_nodes * cfg.num_tokens * copies)
+
+
+def _routing(cfg, topk):
+    """Per top-k entry: valid, owner global rank, owner node, owner local rank (masked entries: -1 / 0)."""
+    E, E_loc, L = cfg.num_experts, cfg.num_local_experts, cfg.ctx.local_size
+    valid = (topk >= 0) & (topk < E)
+    orank = jnp.where(valid, topk // E_loc, -1)
+    onode = jnp.where(valid, orank // L, -1)
+    oloc = jnp.where(valid, orank % L, -1)
+    return valid, orank, onode, oloc
+
+
+def _slots(valid, onode, oloc, node, L, S):
+    """For tokens [..., K] and a node: hit[..., i] (rank i of that node holds one of the token's experts),
+    slot_k[..., k] (slot of entry k's rank among the token's hit ranks of that node, ascending rank), and
+    rank_of_slot[..., s] (-1 when the token has fewer hit ranks)."""
+    li = jnp.where(valid & (onode == node), oloc, -1)
+    hit = jnp.any(li[..., :, None] == jnp.arange(L, dtype=jnp.int32), axis=-2)           # [..., L]
+    slot_of = jnp.cumsum(hit.astype(jnp.int32), axis=-1) - 1
+    slot_k = jnp.take_along_axis(slot_of, jnp.maximum(li, 0), axis=-1)
+    slot_k = jnp.where(li >= 0, slot_k, -1)
+    ranks = jnp.arange(L, dtype=jnp.int32)
+    sel = hit[..., None, :] & (slot_of[..., None, :] == jnp.arange(S, dtype=jnp.int32)[:, None])  # [..., S, L]
+    rank_of_slot = jnp.max(jnp.where(sel, ranks, -1), axis=-1)
+    return li, slot_k, rank_of_slot
+
+
+def _forward(ctx, a):
+    """[N, ...] -> [num_nodes, N, ...]: this rank's tokens to the same-rail rank of every node (static capacity N
+    per node); returns, per source node a, the tokens of (a, my local index)."""
+    return ctx.node_all_to_all(jnp.broadcast_to(a[None], (ctx.num_nodes,) + a.shape))
+
+
+def _inner_tokens(cfg, fwd_topk):
+    """On the forwarding rank: the intra-node routing of the forwarded tokens [Nn, N, K] (global expert ids),
+    split into one intra-node token per destination rank of this node: [Nn*N*S, K] node-local expert ids."""
+    ctx = cfg.ctx
+    g = _geometry(cfg)
+    K, S, node_experts = g.topk, g.copies_per_token, g.inner_num_experts
+    node = ctx.node_index()
+    valid, orank, onode, oloc = _routing(cfg, fwd_topk)
+    li, _, rank_of_slot = _slots(valid, onode, oloc, node, g.num_scaleup_ranks, S)   # [Nn,N,K], [Nn,N,S]
+    mine = (li[..., None, :] == rank_of_slot[..., :, None]) & (rank_of_slot[..., :, None] >= 0)  # [Nn,N,S,K]
+    itopk = jnp.where(mine, (fwd_topk - node * node_experts)[..., None, :], -1)
+    # Routing the flat op refuses (an id >= num_experts, a duplicate expert) must fail on every node: such a
+    # token carries an invalid node-local id to every node's intra-node dispatch.
+    srt = jnp.sort(jnp.where(fwd_topk >= 0, fwd_topk, -1 - jnp.arange(K, dtype=jnp.int32)), axis=-1)
+    bad = jnp.any(fwd_topk >= cfg.num_experts, axis=-1) | jnp.any(srt[..., 1:] == srt[..., :-1], axis=-1)
+    first = (jnp.arange(S)[:, None] == 0) & (jnp.arange(K)[None, :] == 0)
+    itopk = jnp.where(bad[..., None, None], jnp.where(first, node_experts, -1), itopk)
+    return itopk.reshape(g.inner_max_tokens, K).astype(jnp.int32)
+
+
+def _split(a, S):
+    """[Nn, N, ...] forwarded rows -> [Nn*N*S, ...] (one copy per intra-node token)."""
+    return jnp.broadcast_to(a[:, :, None], a.shape[:2] + (S,) + a.shape[2:]).reshape((-1,) + a.shape[2:])
+
+
+def _maps(cfg, inner):
+    """Row maps between the intra-node receive layout (rows ordered by forwarding rank, source node, token) and
+    the flat one (source rank, token), from the inner handle; plus the flat handle fields."""
+    g = _geometry(cfg)
+    # L ranks per node, R ranks, K top-k, N tokens, M = max_tokens_per_rank, S copies per token, E_loc local
+    # experts, Mi the intra-node dispatch's max_tokens_per_rank
+    L, R, K, N, M = g.num_scaleup_ranks, g.num_ranks, g.topk, g.num_tokens, g.max_tokens_per_rank
+    S, E_loc, Mi = g.copies_per_token, g.num_local_experts, g.inner_max_tokens
+    i32 = jnp.int32
+    meta = inner.recv_src_metadata                                          # [L*Mi, K+2]
+    RT = meta.shape[0]
+    num_recv = inner.num_recv_tokens
+    rvalid = jnp.arange(RT, dtype=i32) < num_recv
+    ig = jnp.maximum(meta[:, 0], 0)
+    jj, tt = ig // Mi, ig % Mi
+    a, t = tt // (N * S), (tt // S) % N
+    fsrc = a * L + jj
+    fg = jnp.where(rvalid, fsrc * M + t, R * M)
+    present = jnp.zeros((R * M + 1,), i32).at[fg].set(1)[:R * M]
+    pos = jnp.cumsum(present) - 1
+    inner_tok_flat = jnp.where(rvalid, pos[jnp.minimum(fg, R * M - 1)], R * M)   # flat token row of inner row
+    tok_src = jnp.zeros((R * M,), i32).at[inner_tok_flat].set(jnp.arange(RT, dtype=i32), mode="drop")
+    counts = jnp.zeros((R + 1,), i32).at[jnp.where(rvalid, fsrc, R)].add(1)[:R]
+    psum_rank = jnp.cumsum(counts).astype(i32)
+    mk = meta[tok_src]
+    flat_meta_k = mk[:, 2:]
+    row_src = inner_row_flat = None
+    if cfg.expand:
+        rows_f, rows_i = cfg.rows, expand_rows(L, Mi, K, E_loc, cfg.expert_alignment)
+        starts = inner.psum_num_recv_tokens_per_expert - inner.num_unaligned_recv_tokens_per_expert
+        unal = inner.num_unaligned_recv_tokens_per_expert
+        q = meta[:, 2:]
+        qv = (q >= 0) & rvalid[:, None]
+        e = jnp.clip(jnp.searchsorted(starts, q, side="right") - 1, 0, E_loc - 1)
+        big = E_loc * R * M
+        key = jnp.where(qv, e * (R * M) + fg[:, None], big).reshape(-1)
+        order = jnp.argsort(key, stable=True)
+        p = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(q.shape)
+        excl = jnp.cumsum(unal) - unal
+        flat_q = jnp.where(qv, starts[e] + p - excl[e], -1).astype(i32)           # flat expand row of (row, k)
+        row_src = jnp.arange(rows_f, dtype=i32).at[jnp.where(qv, flat_q, rows_f)].set(q, mode="drop")
+        row_src = jnp.minimum(row_src, rows_i - 1)
+        inner_row_flat = jnp.zeros((rows_i,), i32).at[jnp.where(qv, q, rows_i)].set(flat_q, mode="drop")
+        flat_meta_k = flat_q[tok_src]
+    fvalid = jnp.arange(R * M, dtype=i32) < num_recv
+    col0 = jnp.where(fvalid, fg[tok_src], -1)
+    col1 = jnp.where(fvalid, fsrc[tok_src] * K + mk[:, 1] % K, -1)
+    flat_meta = jnp.concatenate([col0[:, None], col1[:, None], jnp.where(fvalid[:, None], flat_meta_k, -1)],
+                                axis=1).astype(i32)
+    return dict(tok_src=tok_src, row_src=row_src, inner_tok_flat=inner_tok_flat, inner_row_flat=inner_row_flat,
+                recv_src_metadata=flat_meta, psum_num_recv_tokens_per_rank=psum_rank)
+
+
+def _dst_row(cfg, topk):
+    """dst_row [N, R]: row of each of my tokens in every rank's flat non-expand layout (the exclusive prefix of
+    the lower ranks' counts comes from a small all_gather of per-rank counts)."""
+    ctx = cfg.ctx
+    R = ctx.num_ranks
+    valid, orank, _, _ = _routing(cfg, topk)
+    hits = jnp.any(orank[:, :, None] == jnp.arange(R, dtype=jnp.int32), axis=1)       # [N, R]
+    h = hits.astype(jnp.int32)
+    allc = jax.lax.all_gather(ctx.varying(jnp.sum(h, axis=0)), ctx.axis_name)        # [R src, R dst]
+    me = ctx.node_index() * ctx.local_size + ctx.local_index()
+    base = jnp.sum(jnp.where(jnp.arange(R)[:, None] < me, allc, 0), axis=0)
+    return jnp.where(hits, base[None] + jnp.cumsum(h, axis=0) - h, -1).astype(jnp.int32)
+
+
+def _flat_rows(cfg, h, a, token_layout: bool):
+    """Gather an intra-node receive array into the flat layout (token rows or expand rows)."""
+    idx = h.tok_src if (token_layout or not cfg.expand) else h.row_src
+    return a[idx]
+
+
+def _inner_args(cfg, g: Geometry, zero_padding, x, topk_idx, w, sf, handle, token) -> DispatchArgs:
+    """The intra-node dispatch of the forwarded (split) tokens, over the node's inner context."""
+    return dispatch_args(x, topk_idx, w, ctx=cfg.ctx.inner, num_experts=g.inner_num_experts,
+                         max_tokens_per_rank=g.inner_max_tokens, expand=cfg.expand,
+                         expert_alignment=cfg.expert_alignment, zero_padding=zero_padding, x_scales=sf, handle=handle,
+                         num_sms=cfg.num_sms or None, token=token, validate_routing=False, config=cfg.ep)
+
+
+def _forward_split(ctx, g: Geometry, a):
+    """This rank's rows to every node, one copy per intra-node token: [N, ...] -> [Nn*N*S, ...] (None stays)."""
+    return None if a is None else _split(_forward(ctx, a), g.copies_per_token)
+
+
+# --------------------------------------------------------------------- the path (see jax_engram._ep_autodiff)
+def dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
+    """(recv_x, recv_sf, recv_w, handle) of a hierarchical dispatch."""
+    ctx = cfg.ctx
+    g = _geometry(cfg)
+    forwarded_topk = _forward(ctx, topk)
+    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x),
+                                        _inner_tokens(cfg, forwarded_topk), _forward_split(ctx, g, w),
+                                        _forward_split(ctx, g, sf), None, token))
+    inner = res.handle
+    maps = _maps(cfg, inner)
+    h = HierEPHandle.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
+                           psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
+                           num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
+                           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
+                           recv_topk_idx=None if cfg.expand else res.recv_topk_idx[maps["tok_src"]], **maps)
+    recv_x = _flat_rows(cfg, h, res.recv_x, False)
+    recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
+    recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
+    return recv_x, recv_sf, recv_w, h
+
+
+def cached_impl(cfg, zero_padding, x, w, sf, h, token):
+    """(recv_x, recv_sf, recv_w, token) of a hierarchical cached dispatch through the handle h."""
+    ctx = cfg.ctx
+    g = _geometry(cfg)
+    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x), None,
+                                        _forward_split(ctx, g, w), _forward_split(ctx, g, sf), h.inner, token))
+    recv_x = _flat_rows(cfg, h, res.recv_x, False)
+    recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
+    recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
+    return recv_x, recv_sf, recv_w, res.token
+
+
+def combine_impl(cfg, y, w, biases, h, token):
+    """Exact hierarchical combine: intra-node combine of one-rank tokens (no sums across ranks), one row per
+    (token, destination rank) back to the source node, then the flat fold (fp32, bias first, ascending master
+    top-k position)."""
+    ctx = cfg.ctx
+    g = _geometry(cfg)
+    num_nodes, topk, num_tokens, copies = g.num_nodes, g.topk, g.num_tokens, g.copies_per_token
+    inner_rows = h.inner_row_flat if cfg.expand else h.inner_tok_flat
+    inner_y = y[jnp.minimum(inner_rows, y.shape[0] - 1)]
+    inner_w = None if w is None else w[jnp.minimum(inner_rows, w.shape[0] - 1)]
+    r = _ep_flat.combine(combine_args(inner_y, h.inner, topk_weights=inner_w, bias=None, token=token))
+    cx, cw, t = r.combined_x, r.combined_topk_weights, r.token
+    back = ctx.node_all_to_all(cx.reshape(num_nodes, num_tokens, copies, -1))  # [Nn (dest node), N, S, H]
+    topk_idx = h.topk_idx
+    valid, orank, onode, oloc = _routing(cfg, topk_idx)
+    # slot of entry k's rank within its node (the forwarding rank numbered them the same way)
+    slot_k = jnp.zeros(topk_idx.shape, jnp.int32)
+    for n in range(num_nodes):
+        _, sk, _ = _slots(valid, onode, oloc, n, g.num_scaleup_ranks, copies)
+        slot_k = jnp.where(onode == n, sk, slot_k)
+    later_same = (orank[:, :, None] == orank[:, None, :]) & valid[:, None, :] & \
+        (jnp.arange(topk)[None, None, :] > jnp.arange(topk)[None, :, None])
+    is_master = valid & ~jnp.any(later_same, axis=-1)                        # [N, K]
+    tidx = jnp.arange(num_tokens)[:, None]
+    rows = back[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0)]         # [N, K, H]
+    f32 = jnp.float32
+    acc = jnp.full((num_tokens, y.shape[1]), -0.0, f32)
+    for b in biases:
+        acc = acc + b.astype(f32)
+    for k in range(topk):
+        acc = acc + jnp.where(is_master[:, k, None], rows[:, k].astype(f32), jnp.array(-0.0, f32))
+    has_term = jnp.any(valid, axis=-1) if not biases else jnp.ones((num_tokens,), bool)
+    out = jnp.where(has_term[:, None], acc, 0.0)
+    if y.dtype == jnp.bfloat16:
+        # An explicit rounding: XLA may drop a convert pair f32 -> bf16 -> f32 when the caller's f32 math on the
+        # result fuses with it ("excess precision"); the flat op's result comes out of a custom call, rounded.
+        out = jax.lax.reduce_precision(out, exponent_bits=8, mantissa_bits=7)
+    out = out.astype(y.dtype)
+    out_w = None
+    if w is not None:
+        bw = ctx.node_all_to_all(cw.reshape(num_nodes, num_tokens, copies, topk))
+        kk = jnp.arange(topk)[None, :]
+        out_w = jnp.where(valid, bw[jnp.maximum(onode, 0), tidx, jnp.maximum(slot_k, 0), kk], 0.0).astype(f32)
+    return out, out_w, t
+
+
+# ------------------------------------------------------------------------------------------- entry points
+def dispatch(args: DispatchArgs) -> DispatchResult:
+    """``jax_engram.dispatch`` over a :class:`~jax_engram.context.HierContext` (same arguments and results as the
+    flat op)."""
+    cfg = args.config
+    vary = cfg.ctx.varying
+    path = sys.modules[__name__]
+    x = vary(args.x)
+    w = None if args.topk_weights is None else vary(args.topk_weights)
+    sf = None if args.x_scales is None else vary(args.x_scales)
+    tok = vary(jnp.zeros((), jnp.float32) if args.token is None else args.token.astype(jnp.float32))
+    if not args.cached:
+        topk_idx = args.topk_idx
+        if args.validate_routing:  # the check over the whole group, then the dispatch
+            topk_idx = topk_idx + routing_errors(topk_idx, cfg.num_experts, cfg.ctx).astype(topk_idx.dtype)
+        recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf,
+                                                              vary(topk_idx.astype(jnp.int32)), tok)
+    else:
+        recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
+                                                                     args.handle, tok)
+        h = args.handle.replace(token=t, config=cfg)
+    return DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
+                          h.group_sizes, h, h.token)
+
+
+def combine(args: CombineArgs) -> CombineResult:
+    """``jax_engram.combine`` of a hierarchical dispatch (same arguments and results as the flat op)."""
+    cfg = args.config
+    vary = cfg.ctx.varying
+    w = None if args.topk_weights is None else vary(args.topk_weights)
+    biases = tuple(vary(b) for b in args.biases)
+    tok = vary(args.token.astype(jnp.float32))
+    cx, cw, t = _ep_autodiff.combine_op(sys.modules[__name__], cfg, vary(args.y), w, biases, args.handle, tok)
+    return CombineResult(cx, cw, t)
