@@ -288,6 +288,7 @@ def build(variant: str, mode: str, tables, hbm, take_rows):
         if kind == "prefetch":
             for l in ELAYERS:
                 pend[l] = tables[l].fetch(ids[str(l)], overlap=True, config=cfg)
+            x = je.start_before(x, *pend.values())  # the fetches start before layer 0 (XLA may sink them otherwise)
         for i in range(L):
             if i in ELAYERS and kind != "none":
                 k = str(i)

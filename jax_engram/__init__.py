@@ -5,7 +5,7 @@ from jax_engram.context import AnyContext, Context, HierContext, JaxEngramError,
 from jax_engram.ops import barrier, ring_exchange
 from jax_engram.ep import CombineResult, DispatchResult, EPHandle, combine, dispatch
 from jax_engram.engram import ENGRAM_DTYPES, ENGRAM_MODES, SF_LAYOUTS, EngramPending, EngramTable
-from jax_engram.layers import EngramHashing, engram_layer, engram_prefetch, moe_layer
+from jax_engram.layers import EngramHashing, engram_layer, engram_prefetch, moe_layer, start_before
 
 __version__ = "0.1.0"
 
@@ -13,4 +13,4 @@ __all__ = ["AnyContext", "Context", "HierContext", "JaxEngramError", "Region", "
            "ring_exchange",
            "EngramTable", "EngramPending", "EngramConfig", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS",
            "dispatch", "combine", "DispatchResult", "CombineResult", "EPHandle", "EPConfig",
-           "moe_layer", "engram_layer", "engram_prefetch", "EngramHashing", "__version__"]
+           "moe_layer", "engram_layer", "engram_prefetch", "start_before", "EngramHashing", "__version__"]

@@ -51,7 +51,7 @@ from jax_engram.context import Context
 from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
-           "engram_layer_reference", "engram_prefetch", "GlobalEngramPending", "engram_dequantize",
+           "engram_layer_reference", "engram_prefetch", "start_before", "GlobalEngramPending", "engram_dequantize",
            "EngramDecodeState", "engram_decode_init", "engram_decode_ids", "route", "moe_experts", "moe_local",
            "moe_layer", "moe_layer_reference",
            "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
@@ -278,6 +278,24 @@ class GlobalEngramPending:
     and given to :func:`engram_local`. Do not read its fields."""
 
     pending: EngramPending
+
+
+def start_before(x: Any, *pending: EngramPending | GlobalEngramPending) -> Any:
+    """``x`` unchanged (any pytree), with the fetches of ``pending`` started before anything that consumes it.
+
+    A fetch depends only on its ids, so XLA may otherwise schedule it anywhere before its wait, e.g. right
+    before the wait, and nothing overlaps. Call it at step start on the first layer's input::
+
+        pending = [engram_prefetch(t, token_ids) for t in tables]   # every Engram layer's lookups
+        x = start_before(x, *pending)                                # issued before layer 0 runs
+
+    Free at run time (an optimization barrier over ``x`` and the fetches' status words); differentiable in ``x``.
+    """
+    status = tuple((p.pending if isinstance(p, GlobalEngramPending) else p).status for p in pending)
+    if not status:
+        return x
+    x, _ = jax.lax.optimization_barrier((x, status))
+    return x
 
 
 def _inside_shard_map(ctx: Context) -> bool:
