@@ -186,7 +186,7 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
         if args.validate_routing:
             tok = tok + routing_errors(topk_idx, cfg.num_experts, ctx)
         topk_idx = _vary(topk_idx.astype(jnp.int32), ctx)
-    if _ep_local.applies(ctx):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
+    if _ep_local.applies(ctx, cfg.ep):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
         return _dispatch_local(args, x, w, sf, topk_idx if not args.cached else None, tok)
     if not args.cached:
         recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf, topk_idx, tok)
@@ -205,7 +205,7 @@ def combine(args: CombineArgs) -> CombineResult:
     w = _vary_like(_vary(args.topk_weights, ctx), y) if args.topk_weights is not None else None
     biases = tuple(_vary_like(_vary(b, ctx), y) for b in args.biases)
     tok = _vary_like(_ffi_token(args.token, ctx), y)
-    if _ep_local.applies(ctx):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
+    if _ep_local.applies(ctx, cfg.ep):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
         h = args.handle
         handle_arrays = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
                          h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,

@@ -35,10 +35,11 @@ _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def applies(ctx) -> bool:
-    """Whether the EP ops of this flat context take the one-rank path (``ctx._ep_local = False`` forces the
-    native kernels, for tests and benchmarks that compare the two)."""
-    return ctx.num_ranks == 1 and getattr(ctx, "_ep_local", True)
+def applies(ctx, ep_config) -> bool:
+    """Whether the EP ops of this flat context take the one-rank path: one rank and ``EPConfig.one_rank ==
+    "local"`` (``ctx._ep_local = False`` forces the native kernels even then, for tests and benchmarks that
+    compare the two)."""
+    return ctx.num_ranks == 1 and ep_config.one_rank == "local" and getattr(ctx, "_ep_local", True)
 
 
 # ------------------------------------------------------------------------------------------------- pieces

@@ -160,17 +160,26 @@ class EPConfig:
         receive); None: the path's default (SM stores 6; copy engine: 1, cached 4). In ``[1, 15]``.
       combine_stage_warps: the same for combine; None: 8 (expand: 14). Far fewer than the default can be much
         slower for the expand combine, whose expert side sums several rows per pushed row.
+      one_rank: how a flat context of ONE rank runs dispatch / combine. ``"kernels"`` (default): the kernels of
+        every group size, so every documented error holds (bad routing fails the op, a closed context refuses
+        it). ``"local"``: a local permutation in plain JAX (nothing crosses a link at one rank; no kernel, no
+        window), bit for bit the same layouts, sums and gradients, but nothing checks the routing on the device:
+        an expert id outside ``[-1, num_experts)`` acts as -1 and a duplicate leaves the layout unspecified unless
+        ``validate_routing=True``, and an op already compiled still runs after ``ctx.close()``.
     """
 
     dispatch_copy_engine: Literal["auto", "never", "always"] = "auto"
     copy_engine_pieces: int = 4
     dispatch_stage_warps: Optional[int] = None
     combine_stage_warps: Optional[int] = None
+    one_rank: Literal["kernels", "local"] = "kernels"
 
     def __post_init__(self):
         if self.dispatch_copy_engine not in _COPY_ENGINE_MODES:
             raise ValueError(f"EPConfig.dispatch_copy_engine must be one of {sorted(_COPY_ENGINE_MODES)}, got "
                              f"{self.dispatch_copy_engine!r}")
+        if self.one_rank not in ("kernels", "local"):
+            raise ValueError(f"EPConfig.one_rank must be 'kernels' or 'local', got {self.one_rank!r}")
         lim = _ep_limits()
         _check_int("EPConfig", "copy_engine_pieces", self.copy_engine_pieces, 1, lim["max_copy_pieces"])
         for name in ("dispatch_stage_warps", "combine_stage_warps"):

@@ -1,7 +1,7 @@
 """The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit.
 
 One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one
-rank) and one forced onto the native kernels (``ctx._ep_local = False``). Each seeded random case (layout,
+rank) and one on the native kernels (the default, ``EPConfig.one_rank='kernels'``). Each seeded random case (layout,
 alignment, zero padding, K, E, N, M, dtype, FP8 with float32 / int32 scales, -1 ids, weights or None, 0-2 biases)
 runs ONE jitted program per path: dispatch, a cached dispatch of new x / weights, combine of a random y, and the vjp
 of dispatch -> experts -> combine. Every output the contract defines is compared between the paths and with the
@@ -31,9 +31,8 @@ AX = "ep"
 @pytest.fixture(scope="module")
 def contexts():
     mesh = jax.make_mesh((1,), (AX,), devices=jax.devices(PLATFORM)[:1])
-    local = je.init(mesh, AX)
+    local = je.init(mesh, AX, ep_config=je.EPConfig(one_rank="local"))
     native = je.init(mesh, AX)
-    native._ep_local = False
     yield mesh, local, native
     native.close()
     local.close()
