@@ -297,12 +297,16 @@ class EngramTable:
         """EngramFetchAttrs (less ctx_id)."""
         return dict(self._region_attrs(), mode=mode, num_sf_packs=self.num_sf_packs, sf_layout=sf_layout,
                     overlap=int(overlap), **config.ffi_attrs(overlap),
-                    **config.host_attrs(self.host_path(overlap, config)), slot=slot)
+                    **config.host_attrs("gpu" if mode == ENGRAM_MODES["checked"] else self.host_path(overlap, config)),
+                    slot=slot)
 
     def host_path(self, overlap: bool, config: EngramConfig | None = None) -> Literal["cpu", "gpu"]:
         """Who moves this table's rows in a fetch with this ``overlap`` on a GPU: ``"cpu"`` (worker threads gather
         into pinned staging, the copy engine moves it: no SMs) or ``"gpu"`` (the GPU gather); the rule of
-        ``EngramConfig.host_gather`` for this placement and shard size (``config``: the table's by default)."""
+        ``EngramConfig.host_gather`` for this placement and shard size (``config``: the table's by default).
+        ``mode="checked"`` fetches always take the GPU gather, whose device-side range check writes the status
+        that ``wait`` raises from (checked mode is for debugging; on the host path that status word was found
+        wrong for tables with host-placed scale factors)."""
         return (config or self.config).host_path(self.placement, self.nbytes, bool(overlap))
 
     def sf_shape(self, num_tokens: int, ids_per_token: int, sf_layout: SfLayout = "row") -> tuple[int, ...]:
