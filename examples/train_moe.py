@@ -56,7 +56,7 @@ def build_model(ctx, *, vocab: int, hidden: int, ffn: int, experts_per_rank: int
             # The Engram ids need only the tokens: start the lookups first, wait for them at the layer (after
             # the embedding, which runs while the rows are read).
             pending = self.memory.prefetch(token_ids)
-            x = self.embed(token_ids)
+            x = je.start_before(self.embed(token_ids), pending)  # issued before the embedding runs
             h = self.memory(x, pending=pending)
             h = h + self.moe(h)
             return self.head(self.norm(h)).astype(jnp.float32)

@@ -179,6 +179,7 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
 
         def step(p, x, ids, ct):
             pending = je.engram_prefetch(table, ids, hashing=hashing)  # at step start: the ids need only the tokens
+            x = je.start_before(x, pending)  # issued before the work that consumes x
             out, vjp = jax.vjp(lambda p, x: block(p, x, pending), p, x)
             return out, vjp(ct)
 

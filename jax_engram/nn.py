@@ -16,7 +16,7 @@ whole (``nnx.jit``, ``nnx.value_and_grad``)::
 
     def __call__(self, token_ids):
         pending = [m.prefetch(token_ids) for m in self.memories]   # every Engram layer, at step start
-        x = self.embed(token_ids)
+        x = je.start_before(self.embed(token_ids), *pending)       # the fetches are issued before the blocks
         for i, block in enumerate(self.blocks):
             x = block(x)
             if i in self.engram_at:
