@@ -51,11 +51,12 @@ if cfg is None:
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import _ffi, reference  # noqa: E402
 from jax_engram import engram as _engram  # noqa: E402
+from _harness import make_ids, raw_bits, shard  # noqa: E402
 
 AX = "ep"
 BF16, F32, FP8 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -82,23 +83,8 @@ def make_data(seed, N, H, dt, packs, sf_dtype=np.float32):
     return x, sf
 
 
-def make_ids(seed, rows, E, total, special=True):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, total, size=(rows, E), dtype=np.int64)
-    if special:
-        pool = np.array([-1, -7, total, total + 5, 2**31 - 1, 0, total - 1], np.int64)
-        mask = rng.random((rows, E)) < 0.3
-        ids = np.where(mask, pool[rng.integers(0, len(pool), size=(rows, E))], ids)
-    return ids.astype(np.int32)
-
-
-def bits(a):
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view(f"u{a.dtype.itemsize}")
-
-
 def sharded(a):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(AX, None)), lambda i: a[i])
+    return shard(a, mesh, P(AX, None))
 
 
 def want(x, sf, ids, N, mode, layout):
@@ -110,7 +96,7 @@ def want(x, sf, ids, N, mode, layout):
 
 def same(got, w, what):
     for s in got.addressable_shards:
-        g, ww = bits(s.data), bits(w[s.index])
+        g, ww = raw_bits(s.data), raw_bits(w[s.index])
         if not np.array_equal(g, ww):
             raise AssertionError(f"{what}: {int((g != ww).sum())} of {g.size} elements differ on {s.device}")
 
