@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Optional
 
 import jax
@@ -171,10 +170,6 @@ class DispatchResult:
     token: jax.Array
 
 
-_LEGACY_COMBINE_UNPACK = ("unpacking a CombineResult as a tuple (`out, w = combine(...)`) is deprecated; use "
-                          "`.combined_x` / `.combined_topk_weights` / `.token`")
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["combined_x", "combined_topk_weights", "token"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -184,16 +179,10 @@ class CombineResult:
     * ``combined_x`` [N, H] of y's dtype: the reduced expert outputs of every token.
     * ``combined_topk_weights`` float32 [N, K] or None (no ``topk_weights`` passed).
     * ``token`` float32 []: orders a later EP op after this combine.
-
-    Unpacking it as ``(combined_x, combined_topk_weights)`` still works for one release, with a
-    DeprecationWarning.
     """
 
     combined_x: jax.Array
     combined_topk_weights: Optional[jax.Array]
     token: jax.Array
 
-    def __iter__(self):
-        warnings.warn(_LEGACY_COMBINE_UNPACK, DeprecationWarning, stacklevel=2)
-        return iter((self.combined_x, self.combined_topk_weights))
 

@@ -19,7 +19,7 @@ Semantics: ``docs/semantics.md`` ("MoE dispatch", "MoE combine"); they are teste
 :mod:`jax_engram.reference`. Notes:
 
 * The receive order is always canonical: the receiver pulls rows in the reference (= DeepEP
-  deterministic-mode) order, run to run (``deterministic=`` is deprecated and does nothing).
+  deterministic-mode) order, run to run.
 * ``combine`` is an UNWEIGHTED sum (fp32 accumulation, one rounding per reduction level, bias first, ranks
   in ascending order of the token's master top-k position). Apply routing weights yourself before it
   (multiply the expert outputs by ``recv_topk_weights``); ``combine(topk_weights=...)`` only routes weights
@@ -38,7 +38,6 @@ Semantics: ``docs/semantics.md`` ("MoE dispatch", "MoE combine"); they are teste
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import jax
@@ -69,8 +68,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
              ctx: AnyContext, num_experts: int, max_tokens_per_rank: int, expand: bool = False,
              expert_alignment: int = 1, zero_padding: bool = False, x_scales: Optional[jax.Array] = None,
              handle: Optional[EPHandle] = None, num_sms: Optional[int] = None, token: Optional[jax.Array] = None,
-             validate_routing: bool = False, deterministic: Optional[bool] = None,
-             config: Optional[EPConfig] = None) -> DispatchResult:
+             validate_routing: bool = False, config: Optional[EPConfig] = None) -> DispatchResult:
     """Send every token to the ranks owning its top-k experts (inside shard_map over ``ctx``'s axis).
 
     The order of the received rows is always canonical (source rank, then source token; expand segments by
@@ -98,16 +96,12 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         :class:`jax_engram.JaxEngramError` on every rank, naming the rank, token and id, before anything is
         sent; the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
         context unusable (close it and init a new one). Uses an XLA collective over the axis.
-      deterministic: deprecated, does nothing (the order is always canonical); passing it warns.
       config: :class:`jax_engram.EPConfig` for this dispatch, the combine that reverses it and their gradients
         (default: the context's ``ep_config``; with ``handle``: the handle's).
 
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
     num_recv_tokens, group_sizes, handle, token).
     """
-    if deterministic is not None:
-        warnings.warn("jax_engram.dispatch: `deterministic` is deprecated and does nothing (the receive order is "
-                      "always canonical); drop the argument", DeprecationWarning, stacklevel=2)
     args = _ep_args.dispatch_args(
         x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
         expand=expand, expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
@@ -118,8 +112,8 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
 
 
 def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array] = None,
-            bias: jax.Array | tuple[jax.Array, ...] | None = None, token: Optional[jax.Array] = None,
-            return_token: Optional[bool] = None) -> CombineResult:
+            bias: jax.Array | tuple[jax.Array, ...] | None = None,
+            token: Optional[jax.Array] = None) -> CombineResult:
     """Reduce the expert outputs back to their source tokens (inverse of the dispatch that made ``handle``).
 
     The context is the handle's (``handle.ctx``); call inside shard_map over its axis.
@@ -134,18 +128,10 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
         0 where ``topk_idx < 0``). Not applied to y: the combine is an unweighted sum.
       bias: None, one ``[N, H]`` array or a tuple of two, of y's dtype; added first (fp32).
       token: float32 []: order after this token instead of the handle's (default: ``handle.token``).
-      return_token: deprecated (the token is ``CombineResult.token``); ``True`` returns the old tuple
-        ``(combined_x, combined_topk_weights, token)`` with a DeprecationWarning.
 
     Returns a :class:`CombineResult`: ``combined_x`` [N, H] of y's dtype, ``combined_topk_weights`` [N, K]
     float32 or None, ``token`` float32 [].
     """
-    if return_token is not None:
-        warnings.warn("jax_engram.combine: `return_token` is deprecated; combine returns a CombineResult whose "
-                      "`.token` orders later EP ops", DeprecationWarning, stacklevel=2)
     args = _ep_args.combine_args(y, handle, topk_weights=topk_weights, bias=bias, token=token)
     # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
-    res = _path(args.config.ctx).combine(args)
-    if return_token:
-        return (res.combined_x, res.combined_topk_weights, res.token)  # type: ignore[return-value]
-    return res
+    return _path(args.config.ctx).combine(args)

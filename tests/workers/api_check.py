@@ -118,21 +118,21 @@ def _():
     assert np.array_equal(np.asarray(cw), np.ones((R, M, K), np.float32))
 
 
-@check("deprecated_ep_arguments_warn")
+@check("removed_ep_arguments_are_refused")
 def _():
     def body(x, i):
-        d = je.dispatch(x[0], i[0], deterministic=True, **kw)
-        cx, cw, tok = je.combine(d.recv_x, d.handle, return_token=True)
-        cx2, cw2 = je.combine(d.recv_x, d.handle)  # tuple unpacking of a CombineResult
-        assert cw is None and cw2 is None and tok.dtype == jnp.float32
-        return cx[None], cx2[None]
-    with warnings.catch_warnings(record=True) as w:  # the warnings are raised while tracing: one trace
-        warnings.simplefilter("always")
-        a, b = smap(body, (P("ep"), P("ep")), (P("ep"), P("ep")))(put(x_h), put(idx_h))
-    msgs = [str(x.message) for x in w if issubclass(x.category, DeprecationWarning)]
-    for needle in ("`deterministic` is deprecated", "`return_token` is deprecated", "unpacking a CombineResult"):
-        assert any(needle in m for m in msgs), (needle, msgs)
-    assert np.array_equal(np.asarray(a), np.asarray(b))
+        d = je.dispatch(x[0], i[0], **kw)
+        res = je.combine(d.recv_x, d.handle)
+        try:
+            iter(res)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a CombineResult must not unpack as a tuple (read .combined_x)")
+        return res.combined_x[None]
+    smap(body, (P("ep"), P("ep")), P("ep"))(put(x_h), put(idx_h))
+    for fn, kwarg in ((je.dispatch, "deterministic"), (je.combine, "return_token")):
+        assert kwarg not in inspect.signature(fn).parameters, (fn, kwarg)
 
 
 @check("results_are_frozen_pytrees")

@@ -27,7 +27,7 @@ def _config_check(ctx):
     def make(config):
         def body(x, idx):
             d = ep.dispatch(x[0], idx[0], ctx=ctx, num_experts=E, max_tokens_per_rank=M, config=config)
-            y, _ = ep.combine(d.recv_x, d.handle)
+            y = ep.combine(d.recv_x, d.handle).combined_x
             return y[None]
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
