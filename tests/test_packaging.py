@@ -202,7 +202,7 @@ def test_bench_replot_of_the_committed_results(tmp_path):
                    "--out-dir", str(tmp_path)], timeout=300, cwd=str(REPO))
     assert p.returncode == 0, log
     assert sorted(f.name for f in tmp_path.glob("*.png")) == ["engram_device.png", "engram_host.png",
-                                                               "ep_combine.png", "ep_dispatch.png"]
+                                                               "ep_combine.png", "ep_dispatch.png", "model_step.png"]
     assert "NVIDIA H200" in p.stdout
 
 

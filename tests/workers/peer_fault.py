@@ -61,6 +61,7 @@ R = jax.device_count()
 victim = rank == args.victim
 mesh = jax.make_mesh((R,), (AX,), axis_types=(jax.sharding.AxisType.Explicit,))
 DONE_KEY = "peer_fault/others_done"
+VICTIM_CLOSED_KEY = "peer_fault/victim_closed"  # skip_op: the victim's close is over (the coordinator may exit)
 
 
 def say(line: str) -> None:
@@ -211,12 +212,20 @@ if args.case in ("skip_op", "kill"):
         say(f"VICTIM rank {rank} skips {args.op}")
         if wait_for_others() == "ok":  # nothing failed: the context is closed together
             close()
+            kv_client().key_value_set(VICTIM_CLOSED_KEY, "1")
         exit_now()
     if args.case == "kill":
         time.sleep(0.5)  # the victim is gone
     error = report_error(fn, check)
     others_done("ok" if error is None else "error")
     close()
+    if args.case == "skip_op" and error is None:
+        # Process 0 hosts jax.distributed's coordination service and leaves with os._exit: let the victim finish
+        # its side of the closing barrier first (bounded), or its barrier RPC finds the service gone.
+        try:
+            kv_client().blocking_key_value_get(VICTIM_CLOSED_KEY, int((args.timeout + 10) * 1000))
+        except Exception as e:  # noqa: BLE001 - the victim is gone: nothing to wait for
+            say(f"VICTIM_CLOSE_WAIT_ENDED {one_line(e)}")
     if args.reraise and error is not None:
         say("EXITING")
         raise error
