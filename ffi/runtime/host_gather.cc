@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "jax_engram/engram_layout.h"
+#include "runtime/env.h"
 
 namespace jax_engram {
 
@@ -42,9 +43,23 @@ int64_t HostGatherJob::first_bad() const {
   return b == INT64_MAX ? -1 : b;
 }
 
+// Debug tracing only (never a tuning knob): JAX_ENGRAM_HOST_TRACE=1 prints every job's timing to stderr.
+static bool host_trace() {
+  static const bool on = env_int("JAX_ENGRAM_HOST_TRACE", 0, 0, 1) != 0;
+  return on;
+}
+static int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 static inline void publish(uint32_t* flag, uint32_t v) { __atomic_store_n(flag, v, __ATOMIC_RELEASE); }
 
 void HostGatherJob::run_item(int64_t item) {
+  if (submit_ns_) {
+    int64_t zero = 0;
+    start_ns_.compare_exchange_strong(zero, now_ns(), std::memory_order_relaxed);
+  }
   if (!failed()) {
     try {
       if (fail && item == 0)
@@ -84,6 +99,15 @@ void HostGatherJob::finish() {
     for (int64_t c = 0; c < num_chunks(); ++c)  // already set unless an item never ran (a stopped pool)
       if (__atomic_load_n(flags + c, __ATOMIC_ACQUIRE) != seq) publish(flags + c, seq);
     publish(flags + num_chunks(), seq);
+  }
+  if (submit_ns_) {
+    const int64_t end = now_ns(), start = start_ns_.load(std::memory_order_relaxed);
+    const int64_t bytes = n * g.row_bytes;
+    std::fprintf(stderr, "jax_engram host gather: %lld rows x %lld B = %.2f MiB, %lld items, %lld chunks; submit->first "
+                 "item %.1f us, first item->done %.1f us (%.1f GB/s)\n", static_cast<long long>(n),
+                 static_cast<long long>(g.row_bytes), bytes / 1048576.0, static_cast<long long>(num_items()),
+                 static_cast<long long>(num_chunks()), start ? (start - submit_ns_) / 1e3 : -1.0,
+                 start ? (end - start) / 1e3 : -1.0, start && end > start ? bytes / double(end - start) : 0.0);
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -136,6 +160,7 @@ void HostGatherPool::grow(int threads) {
 
 void HostGatherPool::submit(std::shared_ptr<HostGatherJob> job) {
   job->prepare();
+  if (host_trace()) job->submit_ns_ = now_ns();
   if (job->num_items() == 0) {
     job->finish();
     return;

@@ -57,6 +57,9 @@ struct HostGatherJob {
   void finish();
   void set_failed(const std::string& what);
   std::atomic<int64_t> next_{0}, done_items_{0}, bad_{INT64_MAX};
+  // Debug tracing (JAX_ENGRAM_HOST_TRACE=1): steady-clock ns of submit and of the first item's start.
+  int64_t submit_ns_ = 0;
+  std::atomic<int64_t> start_ns_{0};
   std::unique_ptr<std::atomic<int64_t>[]> chunk_left_;
   std::atomic<bool> failed_{false};
   mutable std::mutex mu_;

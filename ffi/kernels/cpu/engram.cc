@@ -21,16 +21,14 @@ namespace {
 // several dozen misses in flight per thread are what keeps host memory busy.
 constexpr int64_t kPrefetchRows = 32;
 
+// The source row of a resolved id (>= 0). One rank's table needs no division.
 inline const uint8_t* row_source(const EngramGather& g, int64_t id) {
+  if (g.nranks == 1) return g.peers[0] + g.offset + id * g.row_bytes;
   return g.peers[id / g.num_entries] + g.offset + (id % g.num_entries) * g.row_bytes;
 }
 
-inline void prefetch_row(const EngramGather& g, int64_t total, int32_t raw) {
-  bool oob;
-  const int64_t id = engram::resolve_id(raw, total, g.mode, &oob);
-  if (id < 0) return;
-  const uint8_t* p = row_source(g, id);
-  const int64_t lines = std::min<int64_t>((g.row_bytes + 63) / 64, 8);
+inline void prefetch_source(const uint8_t* p, int64_t lines) {
+  if (!p) return;
   for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(p + l * 64, 0, 0);
 }
 
@@ -66,26 +64,40 @@ int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end) {
 #else
   const bool nt = false;
 #endif
-  for (int64_t i = begin; i < std::min(end, begin + kPrefetchRows); ++i) prefetch_row(g, total, g.ids[i]);
-  for (int64_t i = begin; i < end; ++i) {
-    if (i + kPrefetchRows < end) prefetch_row(g, total, g.ids[i + kPrefetchRows]);
+  // Each position's id is resolved once, kPrefetchRows ahead of its copy: its source pointer waits in a ring
+  // while the prefetch of its lines is in flight (nullptr: a zero row).
+  const int64_t lines = std::min<int64_t>((rb + 63) / 64, 8);
+  const uint8_t* ring[kPrefetchRows];
+  auto source = [&](int64_t i) -> const uint8_t* {
     bool oob = false;
     const int64_t id = engram::resolve_id(g.ids[i], total, g.mode, &oob);
-    if (oob && first_bad < 0) first_bad = i;
+    if (oob && (first_bad < 0 || i < first_bad)) first_bad = i;
+    return id < 0 ? nullptr : row_source(g, id);
+  };
+  for (int64_t i = begin; i < std::min(end, begin + kPrefetchRows); ++i) {
+    ring[i % kPrefetchRows] = source(i);
+    prefetch_source(ring[i % kPrefetchRows], lines);
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    const uint8_t* src = ring[i % kPrefetchRows];
+    if (i + kPrefetchRows < end) {  // the slot just read takes the row kPrefetchRows ahead
+      ring[i % kPrefetchRows] = source(i + kPrefetchRows);
+      prefetch_source(ring[i % kPrefetchRows], lines);
+    }
     uint8_t* dst = g.out + i * rb;
 #if defined(__SSE2__)
     if (nt) {
-      if (id < 0)
+      if (!src)
         stream_zero(dst, rb);
       else
-        stream_row(dst, row_source(g, id), rb);
+        stream_row(dst, src, rb);
       continue;
     }
 #endif
-    if (id < 0)
+    if (!src)
       std::memset(dst, 0, rb);
     else
-      std::memcpy(dst, row_source(g, id), rb);
+      std::memcpy(dst, src, rb);
   }
 #if defined(__SSE2__)
   if (nt) _mm_sfence();  // non-temporal stores are weakly ordered: visible before whoever publishes this range

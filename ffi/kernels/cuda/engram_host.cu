@@ -22,8 +22,6 @@ struct Staging {
   size_t rows_cap = 0;
   int32_t* ids = nullptr;
   size_t ids_cap = 0;
-  uint32_t* sf = nullptr;
-  size_t sf_cap = 0;
   uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk, [chunks] = job done; the last word: status
   uint32_t* flags_dev = nullptr;
   size_t flags_cap = 0;           // words, the status word included (last)
@@ -32,14 +30,12 @@ struct Staging {
   void release() {
     if (rows) cudaFreeHost(rows);
     if (ids) cudaFreeHost(ids);
-    if (sf) cudaFreeHost(sf);
     if (flags) cudaFreeHost(flags);
     rows = nullptr;
     ids = nullptr;
-    sf = nullptr;
     flags = nullptr;
     flags_dev = nullptr;
-    rows_cap = ids_cap = sf_cap = flags_cap = 0;
+    rows_cap = ids_cap = flags_cap = 0;
   }
 };
 
@@ -66,7 +62,8 @@ cudaError_t grow(T** cur, size_t* cap, size_t need, unsigned flags) {
   return cudaSuccess;
 }
 
-// Scale factors from an sf table in HBM: one thread per (flat position, pack); col-major padding zeroed first.
+// Scale factors from the replicated sf table (device-readable wherever it lives): one thread per (flat position,
+// pack); the col-major layout's padding is zeroed first.
 __global__ void sf_gather_kernel(const int32_t* ids, int64_t n, int64_t E, int64_t T, int64_t total, int32_t mode,
                                  const uint32_t* sf_table, int64_t P, int32_t layout, uint32_t* sf_out) {
   const int64_t EP = E * P;
@@ -158,7 +155,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     *what = "copying the ids to pinned memory";
     return e;
   }
-  // sf from HBM: a small kernel (reads the ids on the device; independent of the rows)
+  // the scale factors: a small kernel (reads the ids on the device; independent of the rows)
   if (sf_any) {
     if (a.sf_layout == engram::kSfTmaColMajor &&
         (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess) {

@@ -7,11 +7,11 @@
 //   1. copy of the ids into pinned memory (device -> host);
 //   2. a host function that only queues the job on the pool (no CUDA call, returns at once);
 //   3. per chunk of kHostGatherChunkBytes: cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device copy;
-//   4. after the last flag (set when every item, the scale factors and the status are done): the status word and,
-//      for a host-readable sf table, the scale factors. An sf table in HBM is gathered by a small kernel instead
-//      (only the sf: the rows never use SMs).
+//   4. after the last flag (set when every item and the status are done): the status word.
+// The scale factors (a few bytes per row) are gathered by a small GPU kernel from the replicated sf table, wherever
+// it lives; only they use SMs, the rows never do.
 // Without cuStreamWaitValue32 the host function runs the whole gather synchronously and one copy follows.
-// Staging (rows, ids, sf, flags, status) is pinned memory per (member, stream), grown on demand: a grow
+// Staging (rows, ids, flags, status) is pinned memory per (member, stream), grown on demand: a grow
 // synchronizes that stream once (warm-up only) and frees the old buffers. One job at a time per stream is safe by
 // stream order: the next fetch's host function runs only after this fetch's copies out of the staging. Workers set
 // every flag even when they fail (the failure goes to the member's error record: the next op / ctx.check() raises),
