@@ -103,8 +103,8 @@ ap.add_argument("--host-paths", default=None,
                      "and sizes its fetch by the first (default gpu,cpu for --sizes, none for --overlap)")
 ap.add_argument("--baseline-max-gib", type=float, default=4.0,
                 help="--sizes: largest table of the jnp.take-on-pinned_host baseline (it needs a second host copy)")
-ap.add_argument("--host-threads", type=int, default=0, help="--sizes / --procs: CPU gather threads (0: the cores "
-                "split over the processes, at most 8)")
+ap.add_argument("--host-threads", type=int, default=0, help="--sizes / --procs: CPU gather threads (0: the library's "
+                "default, three quarters of the cores up to 12, split over the processes)")
 ap.add_argument("--procs", default="", help="host gather in this many processes at once, a comma list (e.g. "
                 "1,2,4): per-process and total GB/s (host memory is shared by every GPU of a node)")
 ap.add_argument("--procs-table-gib", type=float, default=4.0, help="--procs: host table GiB per process")
@@ -1033,9 +1033,9 @@ def run_procs():
     if one and most:
         need = 8 * one["total_gbps"]
         lines.append(f"  8 GPUs per node, each fetching at the 1-process rate ({one['total_gbps']:.1f} GB/s), need "
-                     f"{need:.0f} GB/s of gathered rows -- about {4 * need:.0f} GB/s of host memory traffic (each row "
-                     f"crosses host memory ~4 times: random read, staging write and its read-for-ownership, the copy's "
-                     f"read); {most['processes']} processes reached {most['total_gbps']:.1f} GB/s in all "
+                     f"{need:.0f} GB/s of gathered rows -- about {3 * need:.0f} GB/s of host memory traffic (each row "
+                     f"crosses host memory 3 times: the random read, the staging write (non-temporal: no read for "
+                     f"ownership) and the copy engine's read); {most['processes']} processes reached {most['total_gbps']:.1f} GB/s in all "
                      f"({most['total_gbps'] / most['processes']:.1f} per process, "
                      f"{100 * most['total_gbps'] / (most['processes'] * one['total_gbps']):.0f} % of linear)")
     return out, lines
