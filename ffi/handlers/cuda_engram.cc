@@ -17,6 +17,7 @@
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -205,13 +206,15 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     h.status = static_cast<int32_t*>(status->untyped_data());
     h.threads = static_cast<int>(at.host_threads);
     std::string what;
+    const auto t0 = std::chrono::steady_clock::now();
     cudaError_t he = launch_engram_host_fetch(h, run_on, &what);
     if (he != cudaSuccess) return cuda_failure(op, "the host path (" + what + ")", he);
     if (engram_trace())
       std::fprintf(stderr, "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement host overlap %d "
-                   "ran cpu (host gather, sf %s)\n", m.rank, static_cast<long long>(T), static_cast<long long>(E),
-                   static_cast<long long>(row_bytes), static_cast<int>(at.overlap && run_on != stream),
-                   !(sf_table && P > 0) ? "none" : "gpu");
+                   "ran cpu (host gather, sf %s), enqueued in %.1f us\n", m.rank, static_cast<long long>(T),
+                   static_cast<long long>(E), static_cast<long long>(row_bytes),
+                   static_cast<int>(at.overlap && run_on != stream), !(sf_table && P > 0) ? "none" : "gpu",
+                   std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
     return ffi::Error::Success();
   }
