@@ -250,7 +250,7 @@ def time_ours(table, id_sets, nbytes):
     def lookup_body(*c):
         *ids, tok = c
         for i in ids:
-            pend = table.fetch(i, tok, overlap=False)
+            pend = table.fetch(i, after=tok, overlap=False)
             table.wait(pend)
             tok = pend.status.reshape(1)
         return (*ids, tok)
@@ -280,7 +280,7 @@ def time_ours(table, id_sets, nbytes):
             def body_fxw(*c):
                 *ids, y, tok = c
                 for i in ids:
-                    pend = table.fetch(i, tok, overlap=True)
+                    pend = table.fetch(i, after=tok, overlap=True)
                     y = x_work(y + 0 * pend.status.astype(y.dtype), m)  # X starts after the fetch is issued
                     table.wait(pend, after=y)  # and the wait comes after X
                     tok = pend.status.reshape(1)
@@ -289,7 +289,7 @@ def time_ours(table, id_sets, nbytes):
             def body_fw(*c):
                 *ids, y, tok = c
                 for i in ids:
-                    pend = table.fetch(i, tok, overlap=True)
+                    pend = table.fetch(i, after=tok, overlap=True)
                     table.wait(pend)
                     tok = pend.status.reshape(1)
                 return (*ids, y, tok)
@@ -760,7 +760,7 @@ def run_overlap():
         wspecs = tuple(_spec(a) for a in ws)
         for name, cfg in gathers:
             def body_fxw(i, tok, y, *w, X=X, cfg=cfg):
-                pend = table.fetch(i, tok, overlap=True, config=cfg)
+                pend = table.fetch(i, after=tok, overlap=True, config=cfg)
                 y = X(_after(y, pend.status), *w)  # X is issued after the fetch
                 table.wait(pend, after=y)          # and the wait after X
                 return (i, pend.status.reshape(1), y, *w)
@@ -891,7 +891,7 @@ def fetch_wait_body(tab, cfg, overlap):
     def body(*c):
         *ids, tok = c
         for i in ids:
-            pend = tab.fetch(i, tok, overlap=overlap, config=cfg)
+            pend = tab.fetch(i, after=tok, overlap=overlap, config=cfg)
             tab.wait(pend)
             tok = pend.status.reshape(1)
         return (*ids, tok)

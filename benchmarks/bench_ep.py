@@ -5,7 +5,7 @@ distinct experts per token), bf16 and FP8 (float8_e4m3fn x with [N, 56] float32 
 plus 128 tokens per rank for latency; an SM sweep at 4096 tokens. All in the SAME run:
 
   * ours:       jax_engram.dispatch / combine, each timed as n back-to-back calls inside ONE jitted
-                lax.fori_loop (calls ordered by their tokens); per call = the slope between loops of n and 3n
+                lax.fori_loop (chained: done -> after=); per call = the slope between loops of n and 3n
                 calls (n = --loop; _common.time_per_call: the program's fixed ~0.5-1 ms overhead cancels, and
                 so does the one dispatch in front of the combine loop), medians of `--iters` samples.
   * baselines:  benchmarks/_baselines.py, per dtype, on OUR inputs (same x, scales, routing; FP8 x and its
@@ -194,14 +194,14 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n, config=None):
               num_sms=num_sms, config=config)
 
     def disp(x, tk, w, sf, tok):
-        return jax_engram.dispatch(x, tk, w, x_scales=sf if sf.shape[1] else None, token=tok, **kw)
+        return jax_engram.dispatch(x, tk, w, x_scales=sf if sf.shape[1] else None, after=tok, **kw)
 
     def tok0(x):
-        return lax.pcast(jnp.zeros((), jnp.float32), AX, to="varying")  # varying, like the op's tokens
+        return lax.pcast(jnp.zeros((), jnp.float32), AX, to="varying")  # varying, like the ops' done
 
     def dispatch_loop(x, tk, w, sf):
         def step(i, tok):
-            return disp(x, tk, w, sf, tok).token
+            return disp(x, tk, w, sf, tok).done
         return lax.fori_loop(0, n, step, tok0(x))[None]
 
     def combine_loop(x, tk, w, sf):
@@ -209,8 +209,8 @@ def make_ours(ctx, mesh, *, N, E, expand, A, num_sms, n, config=None):
         y = res.recv_x.astype(jnp.bfloat16)
 
         def step(i, tok):
-            return jax_engram.combine(y, res.handle, token=tok).token
-        return lax.fori_loop(0, n, step, res.token)[None]
+            return jax_engram.combine(y, res.handle, after=tok).done
+        return lax.fori_loop(0, n, step, res.done)[None]
 
     def check(x, tk, w, sf):
         res = disp(x, tk, w, sf, tok0(x))

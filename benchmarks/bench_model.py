@@ -295,7 +295,7 @@ def build(variant: str, mode: str, tables, hbm, take_rows):
                 if kind == "resident":
                     data, sf = rows[k]
                 elif kind == "lookup":
-                    data, sf = tables[i].lookup(ids[k], jax.lax.stop_gradient(x), config=cfg)
+                    data, sf = tables[i].lookup(ids[k], after=jax.lax.stop_gradient(x), config=cfg)
                 elif kind == "prefetch":
                     data, sf = _wait_after(tables[i], pend[i], x)
                 else:  # take_hbm

@@ -78,7 +78,7 @@ def _check_token(token):
         return None
     token = jnp.asarray(token)
     if token.shape != ():
-        raise ValueError(f"token must be a scalar (the token returned by a previous jax_engram op), got shape "
+        raise ValueError(f"after= must be a scalar (e.g. the done of a previous jax_engram op), got shape "
                          f"{token.shape}")
     return token
 
@@ -165,7 +165,7 @@ def dispatch_args(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per
         if topk_weights.dtype != jnp.float32:
             raise TypeError(f"jax_engram.dispatch: topk_weights must be float32, got {topk_weights.dtype}")
     if token is None and handle is not None:
-        token = handle.token
+        token = handle.done
     return DispatchArgs(cfg, zero_padding, x, topk_idx, topk_weights, x_scales, handle, _check_token(token),
                         bool(validate_routing))
 
@@ -212,7 +212,7 @@ def combine_args(y, handle, *, topk_weights, bias, token) -> CombineArgs:
             raise TypeError(f"jax_engram.combine: bias[{i}] must have y's dtype {y.dtype}, got {b.dtype}")
         checked.append(b)
     return CombineArgs(cfg, y, topk_weights, tuple(checked), handle,
-                       _check_token(handle.token if token is None else token))
+                       _check_token(handle.done if token is None else token))
 
 
 # ------------------------------------------------------------------------------------- validate_routing=True

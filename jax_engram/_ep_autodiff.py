@@ -77,7 +77,7 @@ def _dispatch_fwd(path, cfg, zero_padding, x, w, sf, topk_idx, token):
 def _dispatch_bwd(path, cfg, zero_padding, saved, g):
     handle, x, w, token = saved
     g_x, _, g_w, g_handle = g
-    dx, dw, tok_ct = _dispatch_grad(path, cfg, handle, x, w, token, g_x, g_w, g_handle.token)
+    dx, dw, tok_ct = _dispatch_grad(path, cfg, handle, x, w, token, g_x, g_w, g_handle.done)
     return dx, dw, None, None, tok_ct
 
 

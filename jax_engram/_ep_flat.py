@@ -145,7 +145,7 @@ def dispatch_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, topk_idx, t
     handle = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                       num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
                       topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=group_sizes,
-                      recv_topk_idx=None if cfg.expand else recv_topk, token=t, config=cfg)
+                      recv_topk_idx=None if cfg.expand else recv_topk, done=t, config=cfg)
     return recv_x, recv_sf if sf is not None else None, recv_w if w is not None else None, handle
 
 
@@ -193,8 +193,8 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
     else:
         recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
                                                                      args.handle, tok)
-        h = args.handle.replace(token=t, config=cfg)
-    return DispatchResult(recv_x, recv_sf, h.recv_topk_idx, recv_w, h.num_recv_tokens, h.group_sizes, h, h.token)
+        h = args.handle.replace(done=t, config=cfg)
+    return DispatchResult(recv_x, recv_sf, h.recv_topk_idx, recv_w, h.num_recv_tokens, h.group_sizes, h, h.done)
 
 
 def combine(args: CombineArgs) -> CombineResult:
@@ -231,12 +231,12 @@ def _dispatch_local(args: DispatchArgs, x, w, sf, topk_idx, tok) -> DispatchResu
         h = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                      num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
                      topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=group_sizes,
-                     recv_topk_idx=None if cfg.expand else recv_topk, token=t, config=cfg)
+                     recv_topk_idx=None if cfg.expand else recv_topk, done=t, config=cfg)
     else:
         h = args.handle
         routing = (h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
                    h.num_unaligned_recv_tokens_per_expert, h.dst_row, h.topk_idx)
         recv_x, recv_sf, recv_w, t = _ep_local.dispatch_p(cfg, args.zero_padding, True, x, w_in, sf_in, routing, tok)
-        h = h.replace(token=t, config=cfg)
+        h = h.replace(done=t, config=cfg)
     return DispatchResult(recv_x, recv_sf if sf is not None else None, h.recv_topk_idx,
                           recv_w if w is not None else None, h.num_recv_tokens, h.group_sizes, h, t)

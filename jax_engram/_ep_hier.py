@@ -244,7 +244,7 @@ def dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
     h = HierEPHandle.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
                            psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
                            num_unaligned_recv_tokens_per_expert=inner.num_unaligned_recv_tokens_per_expert,
-                           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, token=res.token,
+                           num_recv_tokens=inner.num_recv_tokens, group_sizes=inner.group_sizes, done=res.done,
                            recv_topk_idx=None if cfg.expand else res.recv_topk_idx[maps["tok_src"]], **maps)
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
@@ -261,7 +261,7 @@ def cached_impl(cfg, zero_padding, x, w, sf, h, token):
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
     recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
-    return recv_x, recv_sf, recv_w, res.token
+    return recv_x, recv_sf, recv_w, res.done
 
 
 def combine_impl(cfg, y, w, biases, h, token):
@@ -275,7 +275,7 @@ def combine_impl(cfg, y, w, biases, h, token):
     inner_y = y[jnp.minimum(inner_rows, y.shape[0] - 1)]
     inner_w = None if w is None else w[jnp.minimum(inner_rows, w.shape[0] - 1)]
     r = _ep_flat.combine(combine_args(inner_y, h.inner, topk_weights=inner_w, bias=None, token=token))
-    cx, cw, t = r.combined_x, r.combined_topk_weights, r.token
+    cx, cw, t = r.combined_x, r.combined_topk_weights, r.done
     back = ctx.node_all_to_all(cx.reshape(num_nodes, num_tokens, copies, -1))  # [Nn (dest node), N, S, H]
     topk_idx = h.topk_idx
     valid, orank, onode, oloc = _routing(cfg, topk_idx)
@@ -330,9 +330,9 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
     else:
         recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
                                                                      args.handle, tok)
-        h = args.handle.replace(token=t, config=cfg)
+        h = args.handle.replace(done=t, config=cfg)
     return DispatchResult(recv_x, recv_sf, None if cfg.expand else h.recv_topk_idx, recv_w, h.num_recv_tokens,
-                          h.group_sizes, h, h.token)
+                          h.group_sizes, h, h.done)
 
 
 def combine(args: CombineArgs) -> CombineResult:

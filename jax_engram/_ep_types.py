@@ -89,7 +89,7 @@ class DispatchConfig:
 
 HANDLE_FIELDS = ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
                   "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_row", "topk_idx",
-                  "num_recv_tokens", "group_sizes", "recv_topk_idx", "token")
+                  "num_recv_tokens", "group_sizes", "recv_topk_idx", "done")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(HANDLE_FIELDS), meta_fields=["config"])
@@ -108,7 +108,7 @@ class EPHandle:
     * ``dst_row`` int32 [N, R]: row of my token t in rank d's non-expand layout, or -1 (DeepEP's dst slot).
     * ``topk_idx`` int32 [N, K]; ``num_recv_tokens`` int32 []; ``group_sizes`` int32 [E_loc];
       ``recv_topk_idx`` int32 [R*M, K] (non-expand) or None (expand).
-    * ``token`` float32 []: orders the next EP op after this dispatch.
+    * ``done`` float32 []: orders the next EP op after this dispatch (its ``after=``).
     """
 
     psum_num_recv_tokens_per_rank: jax.Array
@@ -120,7 +120,7 @@ class EPHandle:
     num_recv_tokens: jax.Array
     group_sizes: jax.Array
     recv_topk_idx: Optional[jax.Array]
-    token: jax.Array
+    done: jax.Array
     config: DispatchConfig
 
     def replace(self, **changes: Any) -> "EPHandle":
@@ -145,7 +145,7 @@ class EPHandle:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
-                                "num_recv_tokens", "group_sizes", "handle", "token"], meta_fields=[])
+                                "num_recv_tokens", "group_sizes", "handle", "done"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DispatchResult:
     """What :func:`dispatch` returns (a frozen pytree). Per rank, rows = the receive layout's static row count
@@ -157,7 +157,7 @@ class DispatchResult:
     * ``num_recv_tokens`` int32 []: real rows (non-expand) / real (token, k) rows (expand).
     * ``group_sizes`` int32 [E_loc]: rows per local expert, alignment included (``jax.lax.ragged_dot``).
     * ``handle``: the :class:`EPHandle` for :func:`combine` and cached dispatch.
-    * ``token`` float32 []: orders a later EP op after this one.
+    * ``done`` float32 []: orders a later EP op after this one (its ``after=``).
     """
 
     recv_x: jax.Array
@@ -167,22 +167,22 @@ class DispatchResult:
     num_recv_tokens: jax.Array
     group_sizes: jax.Array
     handle: EPHandle
-    token: jax.Array
+    done: jax.Array
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["combined_x", "combined_topk_weights", "token"], meta_fields=[])
+                   data_fields=["combined_x", "combined_topk_weights", "done"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class CombineResult:
     """What :func:`combine` returns (a frozen pytree), per rank with N tokens, H hidden, K top-k:
 
     * ``combined_x`` [N, H] of y's dtype: the reduced expert outputs of every token.
     * ``combined_topk_weights`` float32 [N, K] or None (no ``topk_weights`` passed).
-    * ``token`` float32 []: orders a later EP op after this combine.
+    * ``done`` float32 []: orders a later EP op after this combine (its ``after=``).
     """
 
     combined_x: jax.Array
     combined_topk_weights: Optional[jax.Array]
-    token: jax.Array
+    done: jax.Array
 
 

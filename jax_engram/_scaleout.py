@@ -60,7 +60,7 @@ class HierEngram:
     def inter_node_path(self) -> str:
         return "gin" if self._gin is not None else "xla all_to_all"
 
-    def write(self, storage, sf=None, *, token=None):
+    def write(self, storage, sf=None, *, after=None):
         _call.check_axis(self.ctx, "EngramTable.write")
         if self.num_sf_packs and sf is None:
             raise ValueError(f"jax_engram EngramTable.write: the table has num_sf_packs={self.num_sf_packs}: "
@@ -75,13 +75,13 @@ class HierEngram:
             # This node's rows of the replicated table: the inner table serves them with the data rows.
             sf = jax.lax.dynamic_slice_in_dim(sf, self.ctx.node_index() * self.node_entries, self.node_entries)
         if self._gin is None:
-            return self.inner.write(storage, sf, token=token)
-        # GIN reads other nodes' windows directly: the write waits until every rank's earlier lookups (the
-        # token) are done, and its token until every rank's write is.
+            return self.inner.write(storage, sf, after=after)
+        # GIN reads other nodes' windows directly: the write waits until every rank's earlier lookups (its
+        # ``after``) are done, and its ``done`` until every rank's write is.
         ax = self.ctx.axis_name
-        if token is not None:
-            token = jax.lax.psum(self.ctx.varying(jnp.asarray(token, jnp.float32).reshape(-1)[:1].sum()), ax)
-        tok = self.inner.write(storage, sf, token=token)
+        if after is not None:
+            after = jax.lax.psum(self.ctx.varying(jnp.asarray(after, jnp.float32).reshape(-1)[:1].sum()), ax)
+        tok = self.inner.write(storage, sf, after=after)
         return jax.lax.psum(self.ctx.varying(tok), ax)
 
     def fetch(self, indices, token, mode: str, sf_layout: str, config):
@@ -103,7 +103,7 @@ class HierEngram:
         ax = self.ctx.axis_name
 
         def body(ids, tok):
-            data, sf = table.wait(table.fetch(ids, tok, mode=mode, sf_layout=sf_layout, config=config))
+            data, sf = table.wait(table.fetch(ids, after=tok, mode=mode, sf_layout=sf_layout, config=config))
             sf = sf if sf is not None else jnp.zeros((0,), jnp.int32)
             return data, sf, (tok + jnp.zeros((1,), tok.dtype) * data.reshape(-1)[:1].size)
 
@@ -144,7 +144,7 @@ def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
     else:
         req = ctx.node_all_to_all(buckets)                                       # [Nn, T, E] from node a
         inner_tok = req if token is None else token
-        data, sf = table.inner.lookup(req.reshape(Nn * T, E), inner_tok, mode="fill", sf_layout="row",
+        data, sf = table.inner.lookup(req.reshape(Nn * T, E), after=inner_tok, mode="fill", sf_layout="row",
                                       config=config)
         rows = ctx.node_all_to_all(data.reshape(Nn, T, E, H))                    # [Nn, T, E, H] from node b
         sel = jnp.clip(owner, 0, Nn - 1)[None, :, :, None]
@@ -174,7 +174,7 @@ def _gin_leg(table, ids, buckets, token, mode, config):
     T, E = ids.shape
     Pk = table.num_sf_packs
     mine = jax.lax.dynamic_index_in_dim(buckets, ctx.node_index(), axis=0, keepdims=False)   # [T, E]
-    data, sf = table.inner.lookup(mine, mine if token is None else token, mode="fill", sf_layout="row",
+    data, sf = table.inner.lookup(mine, after=mine if token is None else token, mode="fill", sf_layout="row",
                                   config=config)
     mode_i = _ENGRAM_MODES[mode]
     out = _scaleout_gin.fetch(ctx, ids, data, window=g.window, region_offset=g.offset,

@@ -11,13 +11,13 @@ to be passed around between jitted calls.
 
 Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)::
 
-    token = table.write(storage, sf=None, token=None)    # storage [num_entries, hidden]: this rank's shard
-    pending = table.fetch(indices, token, mode="fill", sf_layout="row")   # indices [T, I] global ids
+    done = table.write(storage, sf=None, after=None)     # storage [num_entries, hidden]: this rank's shard
+    pending = table.fetch(indices, after=done, mode="fill", sf_layout="row")   # indices [T, I] global ids
     h = ...                                              # independent XLA work overlaps the reads (GPU)
     data, sf = table.wait(pending, after=h)              # data [T, I*hidden], sf per sf_layout or None
-    data, sf = table.lookup(indices, token, ...)         # fetch + wait
+    data, sf = table.lookup(indices, after=done, ...)    # fetch + wait
 
-(T tokens, I = ids per token; tokens are float32 scalars, as for every jax_engram op.)
+(T tokens, I = ids per token; ``done`` is a float32 [] scalar that only orders, as for every jax_engram op.)
 
 Outside ``shard_map`` (global arrays, jit and shard_map done for you)::
 
@@ -39,10 +39,10 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
   ``num_ranks * num_entries < 2**31``.
 * ``write`` is collective: barrier (no fetch of the old table in flight anywhere), copy the shard into
   the own region, barrier (visible everywhere). A fetch that follows a write in the same program must
-  receive the write's token (``fetch(ids, token)``); a write that follows a lookup in the same program
-  must receive something computed from it (``write(x, token=data)``): independent side-effecting ops
-  may run in any order. Separate jitted calls are ordered by the device stream on GPU; the ``*_global``
-  methods chain an internal token so they are ordered on every backend.
+  be ordered after the write (``fetch(ids, after=done)``); a write that follows a lookup in the same program
+  must be ordered after something computed from it (``write(x, after=data)``): independent side-effecting
+  ops may run in any order. Separate jitted calls are ordered by the device stream on GPU; the ``*_global``
+  methods chain an internal ordering scalar so they are ordered on every backend.
 * fetch returns as soon as the reads are enqueued (GPU: on a side stream that first waits for XLA's
   stream); ``wait`` makes XLA's stream wait for them. Every buffer the reads touch (output, indices) is
   carried in the pending object until ``wait``: keep fetch and wait in the same jitted program, and do
@@ -346,16 +346,16 @@ class EngramTable:
 
     # --------------------------------------------------------------------------- in shard_map
     def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *,
-              token: Optional[jax.Array] = None) -> jax.Array:
+              after: Optional[jax.Array] = None) -> jax.Array:
         """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] of the table's dtype
         (and, with scale factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
 
-        ``token``: any array that must be computed before the write starts (e.g. the data of an earlier
-        lookup of this table in the same program). Returns a float32 [] token: pass it to the fetches that
-        must see the new table.
+        ``after``: any array that must be computed before the write starts (e.g. the data of an earlier
+        lookup of this table in the same program). Returns ``done``, a float32 [] scalar: pass it as ``after=``
+        to the fetches that must see the new table.
         """
         if self._hier is not None:
-            return self._hier.write(storage, sf, token=token)
+            return self._hier.write(storage, sf, after=after)
         _call.check_axis(self.ctx, "EngramTable.write")
         pre = "jax_engram EngramTable.write"
         storage = jnp.asarray(storage)
@@ -385,19 +385,19 @@ class EngramTable:
                 raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
             sf = jnp.zeros((0,), jnp.int32)
             sf_bytes = 0
-        # The token only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
+        # `after` only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
         # lookup inside a training step; the write contributes no gradient to it).
-        token = _call.new_token(self.ctx) if token is None else jax.lax.stop_gradient(jnp.asarray(token))
+        token = _call.new_token(self.ctx) if after is None else jax.lax.stop_gradient(jnp.asarray(after))
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
                           storage, sf, **self._write_attrs(sf_bytes))
 
-    def fetch(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
+    def fetch(self, indices: jax.Array, *, after: Optional[jax.Array] = None, mode: EngramMode = "fill",
               sf_layout: SfLayout = "row", overlap: bool = True,
               config: EngramConfig | None = None) -> EngramPending:
         """Enqueue the reads of rows ``indices`` [T, I] (T tokens, I ids per token; int32 global ids); returns a
         pending lookup for ``wait``.
 
-        ``token``: the token of a ``write`` in the same program that this fetch must see (or any array that
+        ``after``: the ``done`` of a ``write`` in the same program that this fetch must see (or any array that
         must be computed first; it only orders the fetch, so it may be a differentiated array: the fetch adds
         nothing to its gradient). ``mode``, for ids ``>= num_ranks*num_entries`` (negative ids are padding: zero
         rows): "fill" reads zeros, "clip" the last row, "checked" fails the call naming the first bad id (see
@@ -411,16 +411,16 @@ class EngramTable:
         ``config.lookup_gather`` without (default: the full-grid gather).
         """
         if self._hier is not None:
-            return self._fetch_hierarchical(indices, token, mode, sf_layout, config)
+            return self._fetch_hierarchical(indices, after, mode, sf_layout, config)
         _call.check_axis(self.ctx, "EngramTable.fetch")
         cfg = _check_config("jax_engram EngramTable.fetch", config) or self.config
         mode_i = _check_choice("mode", mode, ENGRAM_MODES)
         layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
         T, E = indices.shape
-        # Ordering only (stop_gradient: under jax.grad a differentiated token must not reach the FFI call, which
+        # Ordering only (stop_gradient: under jax.grad a differentiated `after` must not reach the FFI call, which
         # has no derivative; the rows are constants of the ids, which are integers).
-        token = indices if token is None else jax.lax.stop_gradient(jnp.asarray(token))
+        token = indices if after is None else jax.lax.stop_gradient(jnp.asarray(after))
         sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
         if T * E == 0:  # nothing to read (XLA cannot compile the aliasing wait on empty buffers)
             return EngramPending(jnp.zeros((T, E * self.hidden), self.dtype),
@@ -491,13 +491,14 @@ class EngramTable:
         data, sf, status = self._hier.fetch(indices, token, mode, sf_layout, config)
         return EngramPending(data, sf, status, indices, bool(self.num_sf_packs), False)
 
-    def lookup(self, indices: jax.Array, token: Optional[jax.Array] = None, *, mode: EngramMode = "fill",
+    def lookup(self, indices: jax.Array, *, after: Optional[jax.Array] = None, mode: EngramMode = "fill",
                sf_layout: SfLayout = "row",
                config: EngramConfig | None = None) -> tuple[jax.Array, Optional[jax.Array]]:
-        """``wait(fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))``:
+        """``wait(fetch(indices, after=after, mode=mode, sf_layout=sf_layout, overlap=False, config=config))``:
         ``(data [T, I*hidden], sf or None)``; on GPU the reads run on XLA's stream (nothing to overlap with) with
         the config's ``lookup_gather``."""
-        return self.wait(self.fetch(indices, token, mode=mode, sf_layout=sf_layout, overlap=False, config=config))
+        return self.wait(self.fetch(indices, after=after, mode=mode, sf_layout=sf_layout, overlap=False,
+                                    config=config))
 
     # ----------------------------------------------------------------------------- global API
     def _mesh_spec(self):
@@ -518,7 +519,7 @@ class EngramTable:
             mesh, ax = self._mesh_spec()
 
             def body(x, sf, tok):
-                t = self.write(x, sf if self.num_sf_packs else None, token=tok)
+                t = self.write(x, sf if self.num_sf_packs else None, after=tok)
                 return t.reshape(1)
 
             sm = jax.shard_map(body, mesh=mesh, in_specs=(P(ax, None), P(), P(ax)), out_specs=P(ax))
@@ -529,7 +530,7 @@ class EngramTable:
         """Collective: write the whole table from ``x`` [num_ranks*num_entries, hidden] (rank r's shard =
         rows r*num_entries..; a jax.Array sharded along the axis, or a host array that every process passes
         in full) and, with scale factors, the replicated ``sf`` [num_ranks*num_entries, P]. Ordered after
-        every earlier ``*_global`` call of this table. Returns the token (float32 [num_ranks])."""
+        every earlier ``*_global`` call of this table. Returns ``done`` (float32 [num_ranks], one per rank)."""
         mesh, ax = self._mesh_spec()
         shape = (self.total_entries, self.hidden)
         if tuple(np.shape(x)) != shape:
@@ -573,7 +574,7 @@ class EngramTable:
             out_spec = P(ax, None) if sharded else P()
 
             def body(ids, tok):
-                pend = self.fetch(ids, tok, mode=mode, sf_layout=sf_layout, overlap=False, config=config)
+                pend = self.fetch(ids, after=tok, mode=mode, sf_layout=sf_layout, overlap=False, config=config)
                 data, sf = self.wait(pend)
                 # The next *_global call depends on this lookup through the status word (never read).
                 return (data, (sf if sf is not None else jnp.zeros((0,), jnp.int32)),

@@ -24,10 +24,11 @@ Semantics: ``docs/semantics.md`` ("MoE dispatch", "MoE combine"); they are teste
   in ascending order of the token's master top-k position). Apply routing weights yourself before it
   (multiply the expert outputs by ``recv_topk_weights``); ``combine(topk_weights=...)`` only routes weights
   back to the source tokens (``combined_topk_weights``).
-* Ordering: every op takes and returns an opaque ``token`` (a float32 scalar, as for every jax_engram op). ``combine`` follows its
-  dispatch through ``handle.token``; pass ``token=`` explicitly to order EP ops that are not otherwise
-  connected by data (e.g. two micro-batches): every rank must run the same sequence of EP ops on a context.
-  The gradient pass is ordered the same way, in reverse (the token's cotangent carries the order).
+* Ordering: every op takes ``after=`` and returns ``done`` (an opaque float32 scalar, as for every jax_engram
+  op). ``combine`` follows its dispatch through ``handle.done``; pass ``after=`` explicitly to order EP ops
+  that are not otherwise connected by data (e.g. two micro-batches): every rank must run the same sequence of
+  EP ops on a context. The gradient pass is ordered the same way, in reverse (the cotangent of ``done``
+  carries the order).
 * Autodiff (``jax.custom_vjp``): d dispatch / d x = combine of the ``recv_x`` cotangent (fp32 sums);
   d dispatch / d topk_weights = the combine's routing of the ``recv_topk_weights`` cotangent (as in DeepEP,
   non-expand: the cotangent of copies at top-k positions whose expert is not on the receiving rank is
@@ -67,7 +68,7 @@ def _path(ctx):
 def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: Optional[jax.Array] = None, *,
              ctx: AnyContext, num_experts: int, max_tokens_per_rank: int, expand: bool = False,
              expert_alignment: int = 1, zero_padding: bool = False, x_scales: Optional[jax.Array] = None,
-             handle: Optional[EPHandle] = None, num_sms: Optional[int] = None, token: Optional[jax.Array] = None,
+             handle: Optional[EPHandle] = None, num_sms: Optional[int] = None, after: Optional[jax.Array] = None,
              validate_routing: bool = False, config: Optional[EPConfig] = None) -> DispatchResult:
     """Send every token to the ranks owning its top-k experts (inside shard_map over ``ctx``'s axis).
 
@@ -89,8 +90,8 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
       zero_padding: expand only; zero the alignment padding rows (x, scales, weights).
       handle: replay the layout of a previous dispatch (cached dispatch): same ctx, E, M, expand, A, K, N.
       num_sms: SMs for the CUDA kernels (None/0 = automatic); ignored on CPU.
-      token: float32 [] from another jax_engram op, to order this op after it; default: no dependency
-        (with ``handle``: the handle's token).
+      after: float32 [] ``done`` of another jax_engram op, to order this op after it; default: no dependency
+        (with ``handle``: ``handle.done``).
       validate_routing: check ``topk_idx`` on every rank first (ids in [-1, num_experts), no duplicate expert
         within a token): an all-gather of one small record over the axis and a host callback, which raises
         :class:`jax_engram.JaxEngramError` on every rank, naming the rank, token and id, before anything is
@@ -100,12 +101,12 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         (default: the context's ``ep_config``; with ``handle``: the handle's).
 
     Returns a :class:`DispatchResult` (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-    num_recv_tokens, group_sizes, handle, token).
+    num_recv_tokens, group_sizes, handle, done).
     """
     args = _ep_args.dispatch_args(
         x, topk_idx, topk_weights, ctx=ctx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
         expand=expand, expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
-        handle=handle, num_sms=num_sms, token=token, validate_routing=validate_routing,
+        handle=handle, num_sms=num_sms, token=after, validate_routing=validate_routing,
         config=None if config is None else _ep_config(config, "jax_engram.dispatch: config"))
     # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
     return _path(ctx).dispatch(args)
@@ -113,7 +114,7 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
 
 def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array] = None,
             bias: jax.Array | tuple[jax.Array, ...] | None = None,
-            token: Optional[jax.Array] = None) -> CombineResult:
+            after: Optional[jax.Array] = None) -> CombineResult:
     """Reduce the expert outputs back to their source tokens (inverse of the dispatch that made ``handle``).
 
     The context is the handle's (``handle.ctx``); call inside shard_map over its axis.
@@ -127,11 +128,11 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
         (``combined_topk_weights[t, k]`` = the entry of (t, k) on the rank owning expert ``topk_idx[t, k]``,
         0 where ``topk_idx < 0``). Not applied to y: the combine is an unweighted sum.
       bias: None, one ``[N, H]`` array or a tuple of two, of y's dtype; added first (fp32).
-      token: float32 []: order after this token instead of the handle's (default: ``handle.token``).
+      after: float32 []: order after this instead of the handle's dispatch (default: ``handle.done``).
 
     Returns a :class:`CombineResult`: ``combined_x`` [N, H] of y's dtype, ``combined_topk_weights`` [N, K]
-    float32 or None, ``token`` float32 [].
+    float32 or None, ``done`` float32 [].
     """
-    args = _ep_args.combine_args(y, handle, topk_weights=topk_weights, bias=bias, token=token)
+    args = _ep_args.combine_args(y, handle, topk_weights=topk_weights, bias=bias, token=after)
     # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
     return _path(args.config.ctx).combine(args)

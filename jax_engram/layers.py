@@ -331,7 +331,7 @@ def _local_pending(p: Any, where: str) -> EngramPending:
 
 def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *,
                     hashing: EngramHashing = EngramHashing(), ids: Optional[jax.Array] = None,
-                    mode: EngramMode = "fill", token: Optional[jax.Array] = None,
+                    mode: EngramMode = "fill", after: Optional[jax.Array] = None,
                     config: Optional[EngramConfig] = None) -> EngramPending | GlobalEngramPending:
     """Start an Engram layer's lookups (call it at the start of the step; consume the result at the layer with
     ``engram_layer(..., pending=)`` / ``engram_local(..., pending=)``, in the same jitted program).
@@ -341,7 +341,7 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
     over ``table.ctx``'s axis the shapes are this rank's and the result is the rank's
     :class:`jax_engram.EngramPending` (``table.fetch(..., overlap=True)``); outside, they are global arrays
     sharded (or shardable) along B like :func:`engram_layer`'s, and the result is a
-    :class:`GlobalEngramPending`. ``mode``: out-of-range ids (``EngramTable.fetch``). ``token``: per rank only,
+    :class:`GlobalEngramPending`. ``mode``: out-of-range ids (``EngramTable.fetch``). ``after``: per rank only,
     orders the reads after another jax_engram op (e.g. a ``table.write`` in the same program). ``config``:
     overrides the table's :class:`jax_engram.EngramConfig`. The reads need nothing but the token ids, so XLA
     can start them before any layer runs; on GPU they run beside the work until the wait.
@@ -356,9 +356,9 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
         if ids.ndim != 3:
             raise ValueError(f"{where}: ids must be [batch, seq, ids_per_token], got shape {ids.shape}")
         B, S, I = ids.shape
-        return table.fetch(ids.reshape(B * S, I), token, mode=mode, overlap=True, config=config)
-    if token is not None:
-        raise ValueError(f"{where}: token= orders per-rank ops and is only accepted inside shard_map over "
+        return table.fetch(ids.reshape(B * S, I), after=after, mode=mode, overlap=True, config=config)
+    if after is not None:
+        raise ValueError(f"{where}: after= orders per-rank ops and is only accepted inside shard_map over "
                          f"{table.ctx.axis_name!r}")
     if not isinstance(ids if token_ids is None else token_ids, jax.core.Tracer):
         # Eagerly, the pending buffers would leave a finished program while (GPU) the reads still fill them.
@@ -382,12 +382,12 @@ def _prefetch_fn(table: EngramTable, hashing: EngramHashing, mode: str, config: 
 
 def engram_local(params: Params, hidden: jax.Array, token_ids: Optional[jax.Array] = None, *, table: EngramTable,
                  hashing: EngramHashing = EngramHashing(), mode: EngramMode = "fill",
-                 token: Optional[jax.Array] = None,
+                 after: Optional[jax.Array] = None,
                  pending: EngramPending | GlobalEngramPending | None = None) -> jax.Array:
     """Per-rank Engram layer (inside ``shard_map`` over ``table.ctx``'s axis).
 
     hidden [B, S, H] (this rank's sequences). Give exactly one of token_ids int [B, S] (lookup here, with
-    ``mode`` and ``token``, which orders it after another jax_engram op) or ``pending``, this rank's
+    ``mode`` and ``after``, which orders it after another jax_engram op) or ``pending``, this rank's
     :func:`engram_prefetch` of the same [B, S] positions (its wait is ordered after ``hidden``: the work that
     produced hidden overlaps the reads). FP8 tables: rows are scaled by their scale factors
     (:func:`engram_dequantize`). Returns [B, S, H] of hidden's dtype; differentiable in params and hidden.
@@ -399,10 +399,10 @@ def engram_local(params: Params, hidden: jax.Array, token_ids: Optional[jax.Arra
         raise TypeError(f"{where}: give exactly one of token_ids or pending")
     if pending is None:
         ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
-        data, sf = table.lookup(ids.reshape(B * S, hashing.num_heads), token, mode=mode)
+        data, sf = table.lookup(ids.reshape(B * S, hashing.num_heads), after=after, mode=mode)
     else:
-        if token is not None or mode != "fill":
-            raise ValueError(f"{where}: mode and token apply to the lookup from token_ids; a pending lookup took "
+        if after is not None or mode != "fill":
+            raise ValueError(f"{where}: mode and after apply to the lookup from token_ids; a pending lookup took "
                              "them at engram_prefetch")
         pend = _local_pending(pending, where)
         want = (B * S, hashing.num_heads * table.hidden)
@@ -531,19 +531,19 @@ def moe_experts(recv_x: jax.Array, w_up: jax.Array, w_down: jax.Array, group_siz
 
 def moe_local(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_alignment: int = 8,
               activation: Activation = jax.nn.gelu, max_tokens_per_rank: Optional[int] = None,
-              num_tokens: Optional[jax.Array] = None, token: Optional[jax.Array] = None) -> jax.Array:
+              num_tokens: Optional[jax.Array] = None, after: Optional[jax.Array] = None) -> jax.Array:
     """Per-rank MoE layer (inside ``shard_map`` over ``ctx``'s axis).
 
     params: ``router`` [H, num_experts] (replicated), ``w_up`` [E_loc, H, F], ``w_down`` [E_loc, F, H] (this
     rank's experts). x [N, H] (bf16, f16 or f32; the combine runs in x's dtype, so use bf16 on GPUs).
     max_tokens_per_rank: static bound (default N). num_tokens: real tokens (int32 [], the rest is padding).
-    Returns [N, H] of x's dtype.
+    after: orders the dispatch after another jax_engram op (its ``done``). Returns [N, H] of x's dtype.
     """
     num_experts = params["router"].shape[-1]
     idx, w = route(params["router"], x, top_k, num_tokens)
     res = _ep.dispatch(x, idx, w, ctx=ctx, num_experts=num_experts,
                        max_tokens_per_rank=x.shape[0] if max_tokens_per_rank is None else max_tokens_per_rank,
-                       expand=True, expert_alignment=expert_alignment, zero_padding=True, token=token)
+                       expand=True, expert_alignment=expert_alignment, zero_padding=True, after=after)
     y = moe_experts(res.recv_x, params["w_up"], params["w_down"], res.group_sizes, activation=activation)
     y = y * res.recv_topk_weights[:, None]  # combine is an unweighted sum: the routing weights apply here
     return _ep.combine(y.astype(x.dtype), res.handle).combined_x

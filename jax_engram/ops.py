@@ -11,19 +11,19 @@ from jax_engram.context import Context
 
 Placement = Literal["device", "host"]
 
-def barrier(*, ctx: Context, token: Optional[jax.Array] = None) -> jax.Array:
+def barrier(*, ctx: Context, after: Optional[jax.Array] = None) -> jax.Array:
     """Barrier over the context's ranks; call inside ``jax.shard_map`` over ctx's axis.
 
     Args:
       ctx: the :class:`jax_engram.Context`.
-      token: optional float32 [] token of an earlier jax_engram op (other dtypes are converted) to order the
-        barrier after it.
+      after: optional float32 [] scalar that an earlier jax_engram op returned (other dtypes are converted) to
+        order the barrier after it.
 
-    Returns a float32 [] token: pass it to the next jax_engram op (or use it in the computation) to order the
-    two; independent side-effecting calls may run in any order on XLA:CPU.
+    Returns ``done``, a float32 [] scalar: pass it as ``after=`` to the next jax_engram op (or use it in the
+    computation) to order the two; independent side-effecting calls may run in any order on XLA:CPU.
     """
     _call.check_axis(ctx, "barrier")
-    token = _call.new_token(ctx) if token is None else jnp.asarray(token).astype(jnp.float32)
+    token = _call.new_token(ctx) if after is None else jnp.asarray(after).astype(jnp.float32)
     return _call.call(ctx, "jax_engram_barrier", _call.like(token), token)
 
 

@@ -248,7 +248,7 @@ with je.init(mesh, A) as ctx:
     assert ctx.info()["inter_node_path"] == (g.GIN if force else g.XLA)
 
     def body(ids, tok):
-        data, sf = t.lookup(ids, tok, mode=sys.argv[2], sf_layout="tma_col_major")
+        data, sf = t.lookup(ids, after=tok, mode=sys.argv[2], sf_layout="tma_col_major")
         return data, sf
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(A), P(A)), out_specs=(P(A), P(A))))
@@ -260,7 +260,7 @@ with je.init(mesh, A) as ctx:
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     def wbody(storage, sf):
-        return t.write(storage, sf, token=storage[:1, :1].astype(jnp.float32).reshape(-1)).reshape(1)
+        return t.write(storage, sf, after=storage[:1, :1].astype(jnp.float32).reshape(-1)).reshape(1)
 
     wf = jax.jit(jax.shard_map(wbody, mesh=mesh, in_specs=(P(A), P()), out_specs=P(A)))
     wargs = (jax.ShapeDtypeStruct((4 * 8, 16), jnp.bfloat16, sharding=sh),
@@ -287,7 +287,7 @@ def test_hier_lookup_lowers_to_gin_fetch_where_gin(mode):
     """With the GIN path (probe forced), the lookup lowered for CUDA runs the intra-node lookup of this node's
     bucket and two GIN fetches (rows, scale factors) with the table's windows and geometry, and no all_to_all;
     the default lowering crosses nodes with all_to_all and has no GIN call. A GIN table's write meets every rank
-    before (its token) and after (other nodes read the shard directly); the collective path's write does not."""
+    before (its after=) and after (other nodes read the shard directly); the collective path's write does not."""
     import re
 
     gin, gin_write_reduces = _lowered("gin", mode)

@@ -29,7 +29,7 @@ NEEDLES = {
     "weights_dtype": ["TypeError", "topk_weights must be float32"],
     "weights_shape": ["topk_weights must be [N, K] = (8, 2)"],
     "num_experts_not_int": ["TypeError", "num_experts must be a Python int"],
-    "token_not_scalar": ["token must be a scalar"],
+    "after_not_scalar": ["after= must be a scalar"],
     "cached_other_expand": ["different expand (handle False, here True)"],
     "cached_without_routing": ["topk_idx is required"],
     "combine_rows": ["y must be [32, hidden]"],

@@ -206,8 +206,8 @@ def test_one_rank_path_calls_nothing_native_and_takes_no_region(contexts):
         def body(x, idx, w):
             r = je.dispatch(x, idx, w, ctx=ctx, num_experts=E, max_tokens_per_rank=N, expand=True,
                             expert_alignment=8)
-            c = je.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, token=r.token)
-            return c.combined_x, c.token
+            c = je.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, after=r.done)
+            return c.combined_x, c.done
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
 
     args = (jnp.ones((N, H), jnp.bfloat16), jnp.tile(jnp.arange(K, dtype=jnp.int32), (N, 1)), jnp.ones((N, K)))

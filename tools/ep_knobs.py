@@ -5,7 +5,7 @@ Every configuration's output is compared with the first one's (a config must nev
 
     python tools/ep_knobs.py {dispatch|combine}[_expand][:unroll] TOKENS ROUNDS 'FIELD=VALUE,FIELD=VALUE' 'FIELD=VALUE' ...
     (an empty string: the defaults; combine loops reuse one dispatch's handle, whose config the combine follows;
-    ":unroll": the n calls in straight-line code instead of a lax.fori_loop, chained by their tokens as in the loop)
+    ":unroll": the n calls in straight-line code instead of a lax.fori_loop, chained by their done (after=) as in the loop)
 
 Fields are jax_engram.EPConfig's, e.g. copy_engine_pieces=8,dispatch_copy_engine=always or combine_stage_warps=10.
 """
@@ -65,10 +65,10 @@ def make_for(cfg):
         def loop(x, tk):
             t0 = lax.pcast(jnp.zeros((), jnp.float32), "ep", to="varying")
             if op == "dispatch":
-                return repeat(lambda i, t: je.dispatch(x, tk, token=t, config=cfg, **kw).token, t0)[None]
-            res = je.dispatch(x, tk, token=t0, config=cfg, **kw)
+                return repeat(lambda i, t: je.dispatch(x, tk, after=t, config=cfg, **kw).done, t0)[None]
+            res = je.dispatch(x, tk, after=t0, config=cfg, **kw)
             y = res.recv_x
-            return repeat(lambda i, t: je.combine(y, res.handle, token=t).token, res.token)[None]
+            return repeat(lambda i, t: je.combine(y, res.handle, after=t).done, res.done)[None]
         progs[cfg, n] = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
         return progs[cfg, n]
     return make

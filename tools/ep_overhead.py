@@ -1,6 +1,6 @@
 """Where the per-call time of a small EP dispatch goes (diagnosis): the same 128-token dispatch timed as
 (a) a fori_loop of n calls, (b) a fori_loop whose body holds 10 calls, (c) n calls in straight-line code (no
-loop), each call chained to the previous by its token.
+loop), each call chained to the previous by its done (after=).
 
     python tools/ep_overhead.py [tokens] [n]
 """
@@ -26,7 +26,7 @@ kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M)
 
 
 def one(x, tk, t):
-    return je.dispatch(x, tk, token=t, **kw).token
+    return je.dispatch(x, tk, after=t, **kw).done
 
 
 def tok0():

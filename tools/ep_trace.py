@@ -42,11 +42,11 @@ def f_loop(x, tk):
     xb, sf = x_in(x)
     kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=expand, x_scales=sf)
     tok0 = jax.lax.pcast(jnp.zeros((), jnp.float32), "ep", to="varying")
-    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.dispatch(xb, tk[0], token=t, **kw).token, tok0)
-    res = je.dispatch(xb, tk[0], token=tok, **kw)
+    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.dispatch(xb, tk[0], after=t, **kw).done, tok0)
+    res = je.dispatch(xb, tk[0], after=tok, **kw)
     y = res.recv_x.astype(jnp.bfloat16)
-    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.combine(y, res.handle, token=t).token,
-                            res.token)
+    tok = jax.lax.fori_loop(0, loop, lambda i, t: je.combine(y, res.handle, after=t).done,
+                            res.done)
     return tok[None]
 
 

@@ -1,5 +1,5 @@
-"""The public API's shape: spellings, deprecations, result types, token dtype, type hints, the layers and the
-Flax NNX modules. One process, CPU devices (--cpu-devices, default 2).
+"""The public API's shape: spellings, deprecations, result types, ordering (after= in, done out), type hints, the
+layers and the Flax NNX modules. One process, CPU devices (--cpu-devices, default 2).
 
 Prints `CHECK <name> PASS|FAIL <detail>` lines and one `RESULT <json>` line ({"checks": {name: bool}}).
 """
@@ -79,7 +79,7 @@ kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=M)
 def _():
     def body(a):
         t = je.barrier(ctx=ctx)
-        t2 = je.barrier(ctx=ctx, token=t)
+        t2 = je.barrier(ctx=ctx, after=t)
         y = je.ring_exchange(a[0], ctx=ctx, placement="host")
         return y[None], t2.reshape(1)
     y, t = silent(lambda: smap(body, P("ep"), (P("ep"), P("ep")))(put(np.arange(R * 4, dtype=np.float32).reshape(R, 4))))
@@ -99,16 +99,16 @@ def _():
         raise AssertionError("a positional context was accepted")
 
 
-@check("combine_result_and_tokens")
+@check("combine_result_and_done")
 def _():
     def body(x, i):
         d = je.dispatch(x[0], i[0], jnp.ones((M, K), jnp.float32), **kw)
         c = je.combine(d.recv_x, d.handle, topk_weights=d.recv_topk_weights)
         assert isinstance(c, je.CombineResult), type(c)
         assert isinstance(d, je.DispatchResult) and isinstance(d.handle, je.EPHandle)
-        for tok in (d.token, d.handle.token, c.token):
-            assert tok.dtype == jnp.float32 and tok.shape == (), (tok.dtype, tok.shape)
-        c2 = je.combine(d.recv_x, d.handle, token=c.token)  # no weights: same structure, None in their place
+        for done in (d.done, d.handle.done, c.done):
+            assert done.dtype == jnp.float32 and done.shape == (), (done.dtype, done.shape)
+        c2 = je.combine(d.recv_x, d.handle, after=c.done)  # no weights: same structure, None in their place
         assert isinstance(c2, je.CombineResult) and c2.combined_topk_weights is None
         return c.combined_x[None], c.combined_topk_weights[None]
     cx, cw = silent(lambda: smap(body, (P("ep"), P("ep")), (P("ep"), P("ep")))(put(x_h), put(idx_h)))
@@ -135,6 +135,42 @@ def _():
         assert kwarg not in inspect.signature(fn).parameters, (fn, kwarg)
 
 
+@check("ordering_is_after_in_done_out")
+def _():
+    # Every public op that can be ordered after another takes it as the keyword-only after= (as wait does), and
+    # what orders a later op is a result's done; the old spelling token is gone from both.
+    ops = [je.barrier, je.dispatch, je.combine, je.EngramTable.write, je.EngramTable.fetch, je.EngramTable.lookup,
+           je.EngramTable.wait, je.engram_prefetch, L.engram_local, L.moe_local]
+    for f in ops:
+        ps = inspect.signature(f).parameters
+        assert "token" not in ps, f"{f.__qualname__} still takes token="
+        assert "after" in ps, f"{f.__qualname__} takes no after="
+        assert ps["after"].kind is inspect.Parameter.KEYWORD_ONLY and ps["after"].default is None, f.__qualname__
+    for cls in (je.DispatchResult, je.CombineResult, je.EPHandle):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert "done" in names and "token" not in names, (cls.__name__, sorted(names))
+    t = je.EngramTable(4, 8, jnp.float32, ctx=ctx)
+
+    def body(x, i):
+        d = je.dispatch(x[0], i[0], **kw)
+        for call in (lambda: je.dispatch(x[0], i[0], token=d.done, **kw),
+                     lambda: je.combine(d.recv_x, d.handle, token=d.done),
+                     lambda: je.barrier(ctx=ctx, token=d.done),
+                     lambda: t.write(jnp.zeros((4, 8), jnp.float32), token=d.done),
+                     lambda: t.fetch(jnp.zeros((2, 1), jnp.int32), d.done)):  # after= is keyword-only
+            try:
+                call()
+            except TypeError:
+                continue
+            raise AssertionError("an ordering input was accepted without after=")
+        done = t.write(jnp.zeros((4, 8), jnp.float32), after=d.done)
+        data, _ = t.lookup(jnp.zeros((2, 1), jnp.int32) + 0 * i[0][:2, :1], after=done)
+        c = je.combine(d.recv_x, d.handle, after=je.barrier(ctx=ctx, after=data[0, 0]))
+        return c.combined_x[None]
+    jax.block_until_ready(smap(body, (P("ep"), P("ep")), P("ep"))(put(x_h), put(idx_h)))
+    t.free()
+
+
 @check("results_are_frozen_pytrees")
 def _():
     seen = {}
@@ -157,7 +193,7 @@ def _():
             back = jax.tree_util.tree_unflatten(tree, leaves)
             assert type(back) is type(obj)
             seen[type(obj).__name__] = len(leaves)
-        h2 = d.handle.replace(token=d.token + 1)
+        h2 = d.handle.replace(done=d.done + 1)
         assert h2.config is d.handle.config and h2 is not d.handle
         data, _ = t.wait(pend)
         return c.combined_x[None] + 0 * data.sum()

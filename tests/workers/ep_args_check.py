@@ -66,7 +66,7 @@ CASES = {
                       ((M, H), bf), ((M, K), i32)),
     "num_experts_not_int": (lambda c, x, i: je.dispatch(x, i, ctx=c, num_experts=8.0, max_tokens_per_rank=M).recv_x,
                             ((M, H), bf), ((M, K), i32)),
-    "token_not_scalar": (lambda c, x, i: good_dispatch(c, x, i, token=jnp.zeros((2,), f32)).recv_x,
+    "after_not_scalar": (lambda c, x, i: good_dispatch(c, x, i, after=jnp.zeros((2,), f32)).recv_x,
                          ((M, H), bf), ((M, K), i32)),
     "cached_other_expand": (lambda c, x, i: good_dispatch(c, x, None, handle=good_dispatch(c, x, i).handle,
                                                           expand=True).recv_x, ((M, H), bf), ((M, K), i32)),

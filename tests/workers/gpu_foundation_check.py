@@ -146,7 +146,7 @@ def check_barrier():
     def body(t):
         tok = t[0]
         for _ in range(K):
-            tok = jax_engram.barrier(ctx=ctx, token=tok)
+            tok = jax_engram.barrier(ctx=ctx, after=tok)
         return tok.reshape(1)
 
     f = smap(body)
@@ -222,7 +222,7 @@ def check_timeout():
             record("timeout", True, "(process 0 checks)")
             return
         x = global_array(np.zeros(N, dtype=np.int32))
-        f = smap(lambda t: jax_engram.barrier(ctx=c3, token=t[0]).reshape(1))
+        f = smap(lambda t: jax_engram.barrier(ctx=c3, after=t[0]).reshape(1))
         t1 = time.time()
         f(x).block_until_ready()
         waited = time.time() - t1

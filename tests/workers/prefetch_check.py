@@ -135,13 +135,13 @@ def two_layer_loss(engram1, engram2):
 
 @check("wait_after_under_grad")
 def _():
-    # fetch(token=h) and wait(after=h) with a differentiated h: both only order; h's gradient is its own (2h),
+    # fetch(after=h) and wait(after=h) with a differentiated h: both only order; h's gradient is its own (2h),
     # the rows add to the value and are constants.
     ids_h = rng.integers(-1, T1.total_entries, (R * 4, 3)).astype(np.int32)
 
     def body(h, ids):
         def f(h):
-            pend = T1.fetch(ids, token=h)
+            pend = T1.fetch(ids, after=h)
             data, _ = T1.wait(pend, after=h * 2)
             return jnp.sum(h * h) + jnp.sum(data.astype(jnp.float32))
         v, g = jax.value_and_grad(f)(h)

@@ -159,9 +159,9 @@ if "engram" in args.suite:
 
         def body(xs, i):
             tok = t.write(xs)
-            pend = t.fetch(i, tok)
+            pend = t.fetch(i, after=tok)
             d, _ = t.wait(pend)
-            d0, _ = t.lookup(i[:0], tok)
+            d0, _ = t.lookup(i[:0], after=tok)
             return d, d0
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES, None), P(AXES, None)),

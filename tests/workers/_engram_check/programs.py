@@ -18,7 +18,7 @@ def _():
 
     def body(xl, sf, ids):
         tok = t.write(xl, sf)
-        data, s = t.lookup(ids, tok, sf_layout="tma_col_major")
+        data, s = t.lookup(ids, after=tok, sf_layout="tma_col_major")
         return data, s
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P(), P(AX, None)),
@@ -40,16 +40,16 @@ def _():
     xa, _ = make_table_data(61, N, H, BF16, 0)
     xb, _ = make_table_data(62, N, H, BF16, 0)
     ids = make_ids(63, R * 5, 24, t.total_entries)
-    # separate calls (global API, chained by the table's token)
+    # separate calls (global API, chained by the table itself)
     for x in (xa, xb, xa):
         t.write_global(x)
         data, _ = t.lookup_global(sharded(ids))
         assert_global_equal(data, reference_lookup(x, None, ids, N, "fill", "row")[0], "global write/lookup")
 
-    # one program: write A, look up, write B after the lookup (token = its data), look up again
+    # one program: write A, look up, write B after the lookup (after= its data), look up again
     def body(a, b, i):
-        da, _ = t.wait(t.fetch(i, t.write(a)))  # overlapped fetch (GPU side stream), then a write after it
-        db, _ = t.lookup(i, t.write(b, token=da))
+        da, _ = t.wait(t.fetch(i, after=t.write(a)))  # overlapped fetch (GPU side stream), then a write after it
+        db, _ = t.lookup(i, after=t.write(b, after=da))
         return da, db
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None),) * 3, out_specs=(P(AX, None),) * 2))

@@ -173,13 +173,13 @@ def _lanes_check(ctx):
 
         def step(i, carry):
             tok, ob, os1, os2 = carry
-            db = ep.dispatch(xb, ib, token=tok, **kb)
-            ds = ep.dispatch(xs, i_s, token=db.token, **ks)
-            dc = ep.dispatch(xs * 2, handle=ds.handle, token=ds.token, **ks)
-            rb = ep.combine(db.recv_x, db.handle, token=dc.token)
-            r1 = ep.combine(ds.recv_x, ds.handle, token=rb.token)
-            r2 = ep.combine(dc.recv_x, ds.handle, token=r1.token)
-            cb, c1, c2, tok = rb.combined_x, r1.combined_x, r2.combined_x, r2.token
+            db = ep.dispatch(xb, ib, after=tok, **kb)
+            ds = ep.dispatch(xs, i_s, after=db.done, **ks)
+            dc = ep.dispatch(xs * 2, handle=ds.handle, after=ds.done, **ks)
+            rb = ep.combine(db.recv_x, db.handle, after=dc.done)
+            r1 = ep.combine(ds.recv_x, ds.handle, after=rb.done)
+            r2 = ep.combine(dc.recv_x, ds.handle, after=r1.done)
+            cb, c1, c2, tok = rb.combined_x, r1.combined_x, r2.combined_x, r2.done
             return tok, ob.at[i].set(cb), os1.at[i].set(c1), os2.at[i].set(c2)
 
         def z(shape, dtype):  # varying along "ep", like the ops' outputs

@@ -124,7 +124,7 @@ def run_case(ctx, c: Case):
     def body(x, x2, idx, w, w2, sf, sf2, y, cw, *bs):
         d = ep.dispatch(x[0], idx[0], w[0] if c.weights else None, x_scales=None if sf is None else sf[0], **kw)
         cd = ep.dispatch(x2[0], None, w2[0] if c.weights else None, x_scales=None if sf2 is None else sf2[0],
-                         handle=d.handle, token=d.token, **kw)
+                         handle=d.handle, after=d.done, **kw)
         cr = ep.combine(y[0], cd.handle, topk_weights=cw[0] if c.weights else None,
                         bias=tuple(b[0] for b in bs) or None)
         cx, cwo = cr.combined_x, cr.combined_topk_weights
