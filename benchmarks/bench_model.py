@@ -22,8 +22,7 @@ weights and the Engram projections; the rows are constants):
   resident             the Engram math on rows already in HBM (the projections only): what the goal compares with
   lookup[gpu|cpu]      ``table.lookup`` at the layer, ordered after the layer's input
   prefetch[gpu|cpu]    ``table.fetch(ids, overlap=True)`` of every Engram layer at step start, the wait at the layer,
-                       ordered after the layer's input (``_wait_after``: ``wait(after=h)`` where the API has it,
-                       else ``wait(token=stop_gradient(h))``)
+                       ordered after the layer's input (``wait(after=h)``)
   take_hbm             MaxText-style: the table as a plain HBM array and ``jnp.take`` (the same rows when every
                        table fits under ``--take-max-gib``, else smaller tables of that total: the row says so)
 
@@ -49,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import math
 import os
 import sys
@@ -153,12 +151,9 @@ def path_config(path: str):
 
 
 def _wait_after(table, pending, h):
-    """Wait for a prefetched lookup, ordered after ``h`` (the Engram layer's input): the one place that knows the
-    prefetch API. ``wait(after=h)`` where the API has it; else ``wait(token=...)`` with h's gradient stopped (the
-    wait has no derivative; the rows are constants either way)."""
-    if "after" in inspect.signature(table.wait).parameters:
-        return table.wait(pending, after=h)
-    return table.wait(pending, token=jax.lax.stop_gradient(h))
+    """Wait for a prefetched lookup, ordered after ``h`` (the Engram layer's input; ``after=`` carries no
+    derivative, the rows are constants)."""
+    return table.wait(pending, after=h)
 
 
 # ------------------------------------------------------------------------------------------------- the model
