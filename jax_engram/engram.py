@@ -497,8 +497,12 @@ class EngramTable:
         """``wait(fetch(indices, after=after, mode=mode, sf_layout=sf_layout, overlap=False, config=config))``:
         ``(data [T, I*hidden], sf or None)``; on GPU the reads run on XLA's stream (nothing to overlap with) with
         the config's ``lookup_gather``."""
-        return self.wait(self.fetch(indices, after=after, mode=mode, sf_layout=sf_layout, overlap=False,
-                                    config=config))
+        pending = self.fetch(indices, after=after, mode=mode, sf_layout=sf_layout, overlap=False, config=config)
+        if not pending.check_total:
+            # Nothing to wait for: without overlap the reads ran in XLA's stream order (GPU) or in the call (CPU),
+            # so one custom call (not two) per lookup; a checked lookup still needs wait's status check.
+            return pending.data, (pending.sf if pending.has_sf else None)
+        return self.wait(pending)
 
     # ----------------------------------------------------------------------------- global API
     def _mesh_spec(self):
