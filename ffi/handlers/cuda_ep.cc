@@ -36,9 +36,10 @@ namespace {
 using namespace validate;
 
 // Graph targets: counts the calls XLA captures into a CUDA graph (CudaMemberState::graph_captures: the tests'
-// proof that capture happened). Other targets: refuses capture, which would replay the host's copy-engine decisions
-// and counts (XLA never captures a target without the trait; this guards against anything else capturing).
-enum CaptureKind { kCaptureDispatch = 0, kCaptureCached = 1, kCaptureCombine = 2 };
+// proof that capture happened; the guard's are not counted). Other targets: refuses capture, which would replay the
+// host's copy-engine decisions and counts (XLA never captures a target without the trait; this guards against
+// anything else capturing).
+enum CaptureKind { kCaptureGuard = -1, kCaptureDispatch = 0, kCaptureCached = 1, kCaptureCombine = 2 };
 ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32_t op, CaptureKind kind) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &cs);
@@ -47,7 +48,7 @@ ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32
   if (!graph_target)
     return op_error(op, "this call is being captured into a CUDA graph, but only the graph targets (Context "
                         "cuda_graphs=True) may be", ffi::ErrorCode::kFailedPrecondition);
-  cuda_state(m).graph_captures[kind].fetch_add(1, std::memory_order_relaxed);
+  if (kind != kCaptureGuard) cuda_state(m).graph_captures[kind].fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -313,9 +314,10 @@ ffi::Error EpGuardCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer toke
   p.token_out = static_cast<int32_t*>(token_out->untyped_data());
   p.err = m.error_device;
   p.rank = m.rank;
-  if (!kGraph && (p.N == 0 || p.K == 0) && p.token_out == p.token) return ffi::Error::Success();
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
+  JE_CHECK(note_capture(m, stream, kGraph, op, kCaptureGuard));
+  if (!kGraph && (p.N == 0 || p.K == 0) && p.token_out == p.token) return ffi::Error::Success();
   const cudaError_t e = launch_ep_guard(p, stream);
   if (e != cudaSuccess) return cuda_failure(op, "launching the guard kernel", e);
   return ffi::Error::Success();
