@@ -1,5 +1,5 @@
-// CPU handlers of EP dispatch, cached dispatch, combine and the one-rank guard: FFI binding and validation only; the protocol
-// lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
+// CPU handlers of EP dispatch, cached dispatch, combine and the one-rank guard: FFI binding and validation only; the
+// protocol lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
 #include <cstring>
 #include <initializer_list>
 #include <string>

@@ -1,11 +1,12 @@
 // CUDA handlers of EP dispatch, cached dispatch, combine and the one-rank guard (same target names, operands, results
 // and attributes as the CPU handlers in cpu_ep.cc; the shape/dtype validation is shared: validate.h). Binding and
 // validation only: the protocol lives in kernels/cuda/ep_dispatch.cu and ep_combine.cu (the guard's check in
-// ep_guard.cu), the copy-engine rows and the host's call count in kernels/cuda/ep_copy_engine.cc. Each op is ONE kernel launch on XLA's stream, no host
-// synchronisation; errors found on the device (timeouts, bad routing, inconsistent handles) are recorded in the
-// member's error record and fail the next op of the context or ctx.check(). Sizes are kernel arguments (no
-// recompilation per token count). Tuning comes as attributes (jax_engram.EPConfig, decided in Python at trace time,
-// so identical on every rank): copy_pieces and stage_warps; this file only checks that the hardware can do them.
+// ep_guard.cu), the copy-engine rows and the host's call count in kernels/cuda/ep_copy_engine.cc. Each op is ONE
+// kernel launch on XLA's stream, no host synchronisation; errors found on the device (timeouts, bad routing,
+// inconsistent handles) are recorded in the member's error record and fail the next op of the context or
+// ctx.check(). Sizes are kernel arguments (no recompilation per token count). Tuning comes as attributes
+// (jax_engram.EPConfig, decided in Python at trace time, so identical on every rank): copy_pieces and stage_warps;
+// this file only checks that the hardware can do them.
 //
 // Every op has two targets: "jax_engram_ep_<op>" and "jax_engram_ep_<op>_graph" (Context cuda_graphs=True), the
 // same code, the latter marked command-buffer compatible so that XLA may capture it into a CUDA graph and replay it

@@ -40,8 +40,8 @@ struct EpGuardAttrs {
 }  // namespace jax_engram
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jax_engram::EpGuardAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"), ::xla::ffi::StructMember<int64_t>("combine"),
-    ::xla::ffi::StructMember<int64_t>("num_experts"));
+    ::jax_engram::EpGuardAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("combine"), ::xla::ffi::StructMember<int64_t>("num_experts"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EpDispatchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
