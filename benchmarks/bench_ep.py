@@ -544,8 +544,9 @@ def main():
 # --------------------------------------------------------------------------------------------- one rank
 def one_rank_main():
     """One device, one rank: jitted dispatch + combine per call (one fori_loop step: combine(dispatch(x)) feeds the
-    next call's x) for our one-rank path (expand and non-expand), the native kernels forced on the same context
-    kind (EPConfig.one_rank='kernels', the default), and the plain-JAX permute (_baselines.local_permute_dispatch / _combine: argsort
+    next call's x) for our one-rank path (expand and non-expand; EPConfig.one_rank='local', the default, its guard
+    calls included), the native kernels forced on the same context kind (EPConfig.one_rank='kernels'), and the
+    plain-JAX permute (_baselines.local_permute_dispatch / _combine: argsort
     by expert, take, weighted segment_sum), all in the same run. Per call = the slope between loops of --loop and 3x --loop calls (_common.time_per_call).
 
     HBM floor = the bytes a permute must move / the same run's device copy bandwidth (a jitted roll of a large
@@ -573,8 +574,8 @@ def one_rank_main():
     log(f"config: device copy bandwidth {bw:.0f} GB/s (roll of {nbytes >> 20} MiB, read + write)")
     results["copy_gbps"] = bw
 
-    ctx = jax_engram.init(mesh, AX, ep_config=jax_engram.EPConfig(one_rank="local"))
-    ctx_native = jax_engram.init(mesh, AX)  # the native kernels at one rank (EPConfig.one_rank="kernels", the default)
+    ctx = jax_engram.init(mesh, AX)  # the one-rank path (EPConfig.one_rank="local", the default)
+    ctx_native = jax_engram.init(mesh, AX, ep_config=jax_engram.EPConfig(one_rank="kernels"))  # the native kernels
     rows = []
     for N, H, K, E in shapes:
         x, tk, w = B.make_moe_inputs(mesh, N, H, K, E, jnp.bfloat16, seed=N + 7)

@@ -112,10 +112,12 @@ def i64(v) -> np.int64:
     return np.int64(int(v))
 
 
-def call(ctx, target: str, results, *operands, **attrs):
-    """ffi_call with side effects (never DCE'd or CSE'd): every jax_engram op communicates."""
+def call(ctx, target: str, results, *operands, input_output_aliases=None, **attrs):
+    """ffi_call with side effects (never DCE'd or CSE'd): every jax_engram op communicates. ``input_output_aliases``
+    ({operand index: result index}) as ``jax.ffi.ffi_call`` takes it."""
     attrs = {k: (i64(v) if isinstance(v, (bool, int, np.integer)) else v) for k, v in attrs.items()}
-    outs = jax.ffi.ffi_call(target, results, has_side_effect=True)(*operands, ctx_id=i64(ctx.id), **attrs)
+    outs = jax.ffi.ffi_call(target, results, has_side_effect=True, input_output_aliases=input_output_aliases)(
+        *operands, ctx_id=i64(ctx.id), **attrs)
     return outs
 
 

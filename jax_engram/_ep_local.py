@@ -3,8 +3,20 @@
 At one rank nothing crosses a link: every token's destination is the rank itself, so dispatch is a gather of x's
 rows into the documented receive layout and combine a gather (non-expand) or a gather-and-sum (expand) back. This
 module computes exactly the layouts, handle fields and sums of docs/semantics.md ("MoE dispatch", "MoE combine",
-"Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no native call, no staging
-region (the context's memory needs do not change), no host synchronisation, no recompilation when counts change.
+"Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no staging region (the
+context's memory needs do not change), no host synchronisation, no recompilation when counts change.
+
+The contract the kernels enforce holds here too, through one small native call per op, the guard
+(``jax_engram_ep_guard``: ffi/handlers cpu_ep.cc / cuda_ep.cc, the check in ffi/kernels cpu/ep.cc / cuda/ep_guard.cu):
+its handler refuses a closed context or one with a recorded error, as every EP handler does, and a fresh dispatch's
+guard checks topk_idx as the dispatch kernels do (an id outside ``[-1, num_experts)``, an expert listed twice in a
+token) and records the first bad entry in the context exactly as they do: the same error, reported the same way
+(CPU: the call fails with it; CUDA: the next op of the context or ``ctx.check()``), and the context is unusable
+after it. The backward pass has guards in the places of the kernels' backward ops. The guard is a side-effecting
+custom call on the op's token (XLA never drops it, and it keeps its place in the chain of the context's ops); a fresh
+dispatch computes its layout from the guard's copy of topk_idx, so none of it runs before the check. The guards of
+cached dispatch and combine check only the context, at their handler, which fails the whole call wherever XLA
+places it.
 
 ``dispatch_p`` and ``combine_p`` take and return exactly what the native calls of :mod:`jax_engram._ep_flat` do,
 so the flat path (after :mod:`jax_engram._ep_args` validated the arguments once) calls one or the other; the
@@ -17,9 +29,10 @@ level to y's dtype (``reduce_precision`` between levels, which XLA must keep), a
 copied, not summed, as the CPU and CUDA kernels do.
 
 Differences from the native path, all in what the contract leaves open: rows past the real counts are zero (x,
-scales, weights) or -1 (indices, metadata), as on CPU; routing ids outside ``[-1, num_experts)`` count as
-masked and a duplicate expert in one token gives an unspecified layout, without an error (nothing is sent, so
-the context stays usable; ``validate_routing=True`` raises :class:`JaxEngramError` for both, as on every path).
+scales, weights) or -1 (indices, metadata), as on CPU; the outputs of a call whose routing the guard refuses are
+unspecified (CUDA; on CPU the call fails). The handle's arrays are not checked again by cached dispatch and combine
+(the kernels check their ranges): a handle that does not come from this context's dispatch gives unspecified
+results instead of an error.
 Inputs and outputs pass an ``optimization_barrier``, as a kernel's would be an op boundary: the caller's arithmetic
 is not fused into the op, the results are materialized, and the output token (the input token) comes after them.
 """
@@ -31,15 +44,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_engram import _call
+
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def applies(ctx, ep_config) -> bool:
     """Whether the EP ops of this flat context take the one-rank path: one rank and ``EPConfig.one_rank ==
-    "local"`` (``ctx._ep_local = False`` forces the native kernels even then, for tests and benchmarks that
-    compare the two)."""
+    "local"`` (the default; ``ctx._ep_local = False`` forces the native kernels even then)."""
     return ctx.num_ranks == 1 and ep_config.one_rank == "local" and getattr(ctx, "_ep_local", True)
+
+
+def _guard(cfg, token, topk_idx=None, *, combine: bool):
+    """(token, topk_idx) after the context's guard (see the module docstring). The token comes back in its own buffer
+    once the guard's handler accepted the context; ``topk_idx`` [N, K] (a fresh dispatch's routing) comes back as
+    the copy the guard's check wrote, which the layout is computed from (None without routing). ``combine``: the op
+    the guard stands for (the name in its errors)."""
+    ctx = cfg.ctx
+    axes = ctx.axis_name
+    token = _call.vary(token, axes)
+    routing = _call.vary(topk_idx if topk_idx is not None else jnp.zeros((0, 0), jnp.int32), axes)
+    graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the kernels: the graph target where XLA may capture it
+    token, checked = _call.call(ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
+                                [_call.like(token), _call.like(routing)], token, routing, input_output_aliases={0: 0},
+                                combine=combine, num_experts=cfg.num_experts)
+    return token, (checked if topk_idx is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------- pieces
@@ -226,6 +256,9 @@ def _combine_dtype(dtype):
 # (meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx) cached; outputs as theirs.
 def _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
+    token, checked = _guard(cfg, token, None if cached else routing[0], combine=False)
+    if not cached:
+        routing = (checked,)  # the layout comes from the guard's copy: it cannot be computed before the check
     x, w, sf, routing, token = _fence(x, w, sf, routing, token)
     if cached:
         meta, psum_rank, _, _, dst_row, topk_idx = routing
@@ -264,6 +297,7 @@ def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
     float8), d w = its routing of the recv_topk_weights cotangent, the token's cotangent passes through."""
     (meta, dst_row, topk_idx), x, w, routing, token = saved
     g_x, g_w, g_tok = (g[0], g[2], g[3]) if cached else (g[0], g[3], g[-1])
+    g_tok, _ = _guard(cfg, _zero_if_symbolic(g_tok, (), token.dtype), combine=True)  # the kernels: a combine
     g_x, g_w, g_tok = _fence(g_x, g_w, g_tok)
     g_x = _zero_if_symbolic(g_x, (cfg.rows, x.shape[1]), x.dtype)
     y = g_x.astype(_combine_dtype(g_x.dtype))
@@ -272,7 +306,7 @@ def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
     gw = _zero_if_symbolic(g_w, wshape, jnp.float32) if has_w else jnp.zeros((0,), jnp.float32)
     dx, dw = _combine(cfg, y, gw, (), meta, dst_row, topk_idx)
     dx = None if np.dtype(x.dtype) == np.dtype(jnp.float8_e4m3fn) else dx.astype(x.dtype)
-    dx, dw, g_tok = _fence(dx, dw, _zero_if_symbolic(g_tok, (), token.dtype))
+    dx, dw, g_tok = _fence(dx, dw, g_tok)
     return dx, (dw if has_w else None), None, tuple(None for _ in routing), g_tok
 
 
@@ -283,6 +317,7 @@ dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
 # The operands of the native combine (_ep_flat._combine_raw): harr = (meta, dst_row, topk_idx, psum_rank,
 # psum_expert, unaligned, recv_topk).
 def _combine_impl(cfg, y, w, biases, harr, token):
+    token, _ = _guard(cfg, token, combine=True)
     y, w, biases, harr, token = _fence(y, w, tuple(biases), harr, token)
     meta, dst_row, topk_idx = harr[:3]
     cx, cw = _combine(cfg, y, w, biases, meta, dst_row, topk_idx)
@@ -304,7 +339,9 @@ def _combine_bwd(cfg, saved, g):
     routing, d bias = the cotangent (cast to the bias dtype)."""
     y, w, biases, harr, token = saved
     meta, _, _, psum_rank, _, _, recv_topk = harr
-    g_x, g_w, g_tok = _fence(*g)
+    g_x, g_w, g_tok = g
+    g_tok, _ = _guard(cfg, _zero_if_symbolic(g_tok, (), token.dtype), combine=False)  # the kernels: a cached dispatch
+    g_x, g_w, g_tok = _fence(g_x, g_w, g_tok)
     N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
     g_x = _zero_if_symbolic(g_x, (N, H), y.dtype)
     src_tok, src_entry = _replay(cfg, meta, psum_rank)
@@ -314,7 +351,7 @@ def _combine_bwd(cfg, saved, g):
     if has_w and not cfg.expand:
         dw = jnp.where(recv_topk >= 0, dw, 0.0)
     db = tuple(g_x.astype(b.dtype) for b in biases)
-    dy, dw, db, g_tok = _fence(dy, dw, db, _zero_if_symbolic(g_tok, (), token.dtype))
+    dy, dw, db, g_tok = _fence(dy, dw, db, g_tok)
     return dy, (dw if has_w else None), db, tuple(None for _ in harr), g_tok
 
 

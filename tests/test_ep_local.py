@@ -1,7 +1,9 @@
-"""The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit.
+"""The one-rank EP path (jax_engram/_ep_local.py) against the native kernels and jax_engram.reference, bit for bit,
+and its errors against the kernels' errors.
 
 One CPU device (JAX_ENGRAM_EP_LOCAL_PLATFORM=cuda: one GPU), one context on the local path (the default at one
-rank) and one on the native kernels (the default, ``EPConfig.one_rank='kernels'``). Each seeded random case (layout,
+rank, ``EPConfig.one_rank='local'``) and one on the native kernels (``EPConfig.one_rank='kernels'``). Each seeded
+random case (layout,
 alignment, zero padding, K, E, N, M, dtype, FP8 with float32 / int32 scales, -1 ids, weights or None, 0-2 biases)
 runs ONE jitted program per path: dispatch, a cached dispatch of new x / weights, combine of a random y, and the vjp
 of dispatch -> experts -> combine. Every output the contract defines is compared between the paths and with the
@@ -11,6 +13,9 @@ sets the number of cases).
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -31,8 +36,8 @@ AX = "ep"
 @pytest.fixture(scope="module")
 def contexts():
     mesh = jax.make_mesh((1,), (AX,), devices=jax.devices(PLATFORM)[:1])
-    local = je.init(mesh, AX, ep_config=je.EPConfig(one_rank="local"))
-    native = je.init(mesh, AX)
+    local = je.init(mesh, AX)
+    native = je.init(mesh, AX, ep_config=je.EPConfig(one_rank="kernels"))
     yield mesh, local, native
     native.close()
     local.close()
@@ -198,7 +203,7 @@ def test_one_rank_path_matches_native_and_reference(contexts):
     assert ran == CASES
 
 
-def test_one_rank_path_calls_nothing_native_and_takes_no_region(contexts):
+def test_one_rank_path_calls_only_its_guards_and_takes_no_region(contexts):
     mesh, local, native = contexts
     N, H, K, E = 16, 16, 4, 8
 
@@ -214,6 +219,146 @@ def test_one_rank_path_calls_nothing_native_and_takes_no_region(contexts):
     regions = dict(local._regions)
     hlo = program(local).lower(*args).as_text()
     out, _ = program(local)(*args)
-    assert "jax_engram_ep" not in hlo and local._regions == regions
+    targets = sorted(set(re.findall(r"custom_call @(jax_engram_\w+)", hlo)))
+    assert targets == ["jax_engram_ep_guard"] and hlo.count("@jax_engram_ep_guard(") == 2, targets
+    assert local._regions == regions
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((N, H), K, np.float32))
     assert "jax_engram_ep_dispatch" in program(native).lower(*args).as_text()  # the switch reaches the kernels
+    # a fresh dispatch computes its layout from the guard's copy of topk_idx: the compiled program keeps the check
+    # ahead of the layout (a data dependency that outlives the optimization barriers)
+    compiled = program(local).lower(*args).compile().as_text()
+    guard = re.search(r"%([\w.]+) = \(f32\[\], s32\[16,4\][^)]*\) custom-call\([^)]*\), "
+                      r'custom_call_target="jax_engram_ep_guard"', compiled)
+    assert guard is not None, compiled
+    assert re.search(rf"get-tuple-element\(%{re.escape(guard.group(1))}\), index=1", compiled), compiled
+
+
+# ------------------------------------------------------------------------------------------------- errors
+# At one rank the local path must fail exactly where the kernels fail, with the same exceptions and messages (the
+# context id aside): bad routing (the call on CPU, the next op on GPU; ctx.check() in both), every op of a context
+# with an error, every op of a closed context.
+def _outcome(fn, ctx):
+    """(exception type name, message with the context id replaced) of fn(), or ("ok", "")."""
+    try:
+        jax.block_until_ready(fn())
+    except Exception as e:  # noqa: BLE001 - compared between the paths
+        return type(e).__name__, str(e).replace(f"context {ctx.id} ", "context <id> ")
+    return "ok", ""
+
+
+def _bad_routing_outcomes(mesh, one_rank, N, K, E, idx, expand):
+    ctx = je.init(mesh, AX, ep_config=je.EPConfig(one_rank=one_rank), timeout_s=30)
+    try:
+        def body(x, idx):
+            return je.dispatch(x, idx, ctx=ctx, num_experts=E, max_tokens_per_rank=N, expand=expand).recv_x
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        x = jnp.ones((N, 16), jnp.bfloat16)
+        good = np.where(np.arange(K)[None, :] < min(K, E), np.arange(K)[None, :], -1).repeat(N, 0).astype(np.int32)
+        first = _outcome(lambda: f(x, good), ctx)
+        return [first, _outcome(lambda: f(x, idx), ctx), _outcome(ctx.check, ctx), _outcome(lambda: f(x, good), ctx),
+                _outcome(ctx.check, ctx)]
+    finally:
+        ctx.close()
+
+
+def _routing(N, K, E, bad):
+    idx = np.full((N, K), -1, np.int32)
+    idx[:, :min(K, E)] = np.arange(min(K, E))
+    for (t, k), v in bad.items():
+        idx[t, k] = v
+    return idx
+
+
+# (N, K, E, {(token, k): id}, the first bad entry's words in the message)
+_BAD = {
+    "duplicate": (8, 2, 4, {(3, 0): 1}, ["token 3", "lists expert 1 more than once"]),
+    "above_range": (8, 2, 4, {(5, 1): 4}, ["token 5", "holds expert id 4 outside [-1, num_experts"]),
+    "below_minus_one": (8, 2, 4, {(2, 0): -7}, ["token 2", "holds expert id -7 outside [-1"]),
+    "first_of_several": (12, 4, 8, {(9, 0): 99, (4, 3): 2, (4, 2): -5, (7, 1): 0},
+                         ["token 4", "holds expert id -5 outside"]),
+    "range_before_duplicate": (6, 3, 4, {(1, 0): 9, (1, 1): 9, (1, 2): 1}, ["token 1", "holds expert id 9"]),
+    "duplicate_of_masked_is_fine": (6, 3, 4, {(2, 0): -1, (2, 1): -1, (2, 2): 3, (3, 2): 0},
+                                    ["token 3", "lists expert 0 more than once"]),
+    # more tokens than one round of the CUDA guard's threads, K past a register bucket (ep_guard.cu)
+    "wide": (2100, 20, 64, {(2050, 19): 5, (1999, 17): 64, (1025, 13): 12}, ["token 1025", "lists expert 12"]),
+    "top32": (40, 32, 32, {(39, 31): 0}, ["token 39", "lists expert 0 more than once"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD))
+def test_one_rank_bad_routing_fails_as_the_kernels_fail(contexts, name):
+    mesh = contexts[0]
+    N, K, E, bad, words = _BAD[name]
+    idx = _routing(N, K, E, bad)
+    expand = name in ("first_of_several", "wide")
+    got = _bad_routing_outcomes(mesh, "local", N, K, E, idx, expand)
+    want = _bad_routing_outcomes(mesh, "kernels", N, K, E, idx, expand)
+    assert got == want, f"{name}:\nlocal   {got}\nkernels {want}"
+    assert got[0] == ("ok", "")  # good routing runs
+    checked = got[2]  # ctx.check() after the bad call: the kernels' error, recorded in the context
+    assert checked[0] == "JaxEngramError" and all(w in checked[1] for w in words), checked
+    assert "The context is unusable" in checked[1]
+    if PLATFORM == "cpu":  # the CPU kernels fail the call itself (its message also names num_experts' value)
+        kind, msg = got[1]
+        assert kind == "JaxRuntimeError", got[1]
+        assert msg.startswith("INVALID_ARGUMENT: jax_engram ep dispatch on rank 0"), got[1]
+        assert all(w in msg for w in words) and "The context is unusable" in msg, got[1]
+    assert got[3][0] == "JaxRuntimeError" and checked[1] in got[3][1]  # the context refuses every later op
+    assert got[4] == checked
+
+
+def _closed_outcomes(mesh, one_rank):
+    """Each program of a context compiled and run while it is open, then called after ctx.close()."""
+    ctx = je.init(mesh, AX, ep_config=je.EPConfig(one_rank=one_rank), timeout_s=30)
+    N, H, K, E = 8, 16, 2, 4
+    kw = dict(ctx=ctx, num_experts=E, max_tokens_per_rank=N, expand=True)
+
+    def jit(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+    def round_trip(x, i):
+        r = je.dispatch(x, i, **kw)
+        return je.combine(r.recv_x.astype(jnp.bfloat16), r.handle).combined_x
+
+    x = jnp.ones((N, H), jnp.bfloat16)
+    idx = np.tile(np.arange(K, dtype=np.int32), (N, 1))
+    whole = jit(round_trip)
+    disp = jit(lambda x, i: je.dispatch(x, i, **kw).handle)
+    handle = disp(x, idx)
+    cached = jit(lambda x, h: je.dispatch(x, None, handle=h, **kw).recv_x)
+    comb = jit(lambda y, h: je.combine(y, h).combined_x)
+    y = jnp.ones((ref.expand_rows(1, N, K, E, 1), H), jnp.bfloat16)
+    grad = jit(lambda x, i: jax.grad(lambda x: round_trip(x, i).astype(jnp.float32).sum())(x))
+    runs = {"dispatch + combine": lambda: whole(x, idx), "dispatch": lambda: disp(x, idx),
+            "cached dispatch": lambda: cached(x, handle), "combine": lambda: comb(y, handle),
+            "gradient": lambda: grad(x.astype(jnp.float32), idx)}
+    try:
+        before = {k: _outcome(f, ctx) for k, f in runs.items()}
+    finally:
+        ctx.close()
+    after = {k: _outcome(f, ctx) for k, f in runs.items()}
+    return before, after
+
+
+def test_one_rank_closed_context_refuses_compiled_ops_as_the_kernels_do(contexts):
+    mesh = contexts[0]
+    got, want = _closed_outcomes(mesh, "local"), _closed_outcomes(mesh, "kernels")
+    assert got == want, f"local   {got}\nkernels {want}"
+    before, after = got
+    assert all(v == ("ok", "") for v in before.values()), before
+    for name, (kind, msg) in after.items():
+        op = "combine" if name == "combine" else "dispatch"
+        assert kind == "JaxRuntimeError" and msg.startswith(f"FAILED_PRECONDITION: jax_engram ep {op}: no jax_engram "
+                                                            "context"), (name, kind, msg)
+
+
+@pytest.mark.gpu(1)
+def test_one_gpu():
+    """This file's tests on one GPU (the CUDA guard kernel and handlers against the CUDA kernels)."""
+    if PLATFORM != "cpu":
+        pytest.skip("already on the GPU")
+    env = dict(os.environ, JAX_ENGRAM_EP_LOCAL_PLATFORM="cuda", PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "not test_one_gpu"], capture_output=True, text=True, timeout=1200, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stdout[-8000:] + p.stderr[-4000:]

@@ -1,5 +1,5 @@
-// CPU handlers of EP dispatch, cached dispatch and combine: FFI binding and validation only; the protocol
-// lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
+// CPU handlers of EP dispatch, cached dispatch, combine and the one-rank guard: FFI binding and validation only; the
+// protocol lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -23,9 +23,11 @@ ffi::Error finish(MemberScope& s, int64_t num_experts) {
   return s.check_recorded();
 }
 
-// The backends copy the token's 4 bytes (validate.h check_token); here, on the host.
+// The backends copy the token's 4 bytes (validate.h check_token); here, on the host. A call that aliases token_out
+// to token (the guard's) has nothing to copy.
 void copy_token(const ffi::AnyBuffer& token, ffi::AnyBuffer token_out) {
-  std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
+  if (token_out.untyped_data() != token.untyped_data())
+    std::memcpy(token_out.untyped_data(), token.untyped_data(), 4);
 }
 
 // Copy-engine rows are a CUDA path: Python never asks for them on CPU.
@@ -167,6 +169,25 @@ ffi::Error EpCombineCpu(int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer topk_w
   return s.check_recorded();
 }
 
+// The one-rank local path's guard (jax_engram/_ep_local.py): refuses a closed or failed context as every EP handler
+// does, copies topk_idx to topk_out and checks it as the dispatch does, failing with the dispatch's error (recorded
+// the same way: the context is then unusable), and passes the token on.
+ffi::Error EpGuardCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk_idx,
+                      ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> topk_out,
+                      EpGuardAttrs at) {
+  int32_t op;
+  JE_CHECK(guard_op(at, &op));
+  MemberScope s(at.ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  JE_CHECK(check_guard(op, token, topk_idx, *token_out, *topk_out, at));
+  copy_token(token, *token_out);
+  const int64_t N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  if (N * K) std::memcpy(topk_out->untyped_data(), topk_idx.untyped_data(), sizeof(int32_t) * N * K);
+  if (!cpu::ep_guard(s.member(), static_cast<const int32_t*>(topk_idx.untyped_data()), N, K, at.num_experts))
+    return finish(s, at.num_experts);
+  return s.check_recorded();
+}
+
 }  // namespace
 
 // Context arguments of every handler here: the device ordinal.
@@ -179,8 +200,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedCpu, EpDispatchCachedCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCpu, EpCombineCpu,
                               bind_ep_combine(cpu_context()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCpu, EpGuardCpu,
+                              bind_ep_guard(cpu_context()));
+
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCpu));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCpu));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCpu));
+static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCpu));
 
 }  // namespace jax_engram

@@ -1,11 +1,12 @@
-// CUDA handlers of EP dispatch, cached dispatch and combine (same target names, operands, results and
-// attributes as the CPU handlers in cpu_ep.cc; the shape/dtype validation is shared: validate.h). Binding and
-// validation only: the protocol lives in kernels/cuda/ep_dispatch.cu and ep_combine.cu, the copy-engine rows and
-// the host's call count in kernels/cuda/ep_copy_engine.cc. Each op is ONE kernel launch on XLA's stream, no host
-// synchronisation; errors found on the device (timeouts, bad routing, inconsistent handles) are recorded in the
-// member's error record and fail the next op of the context or ctx.check(). Sizes are kernel arguments (no
-// recompilation per token count). Tuning comes as attributes (jax_engram.EPConfig, decided in Python at trace time,
-// so identical on every rank): copy_pieces and stage_warps; this file only checks that the hardware can do them.
+// CUDA handlers of EP dispatch, cached dispatch, combine and the one-rank guard (same target names, operands, results
+// and attributes as the CPU handlers in cpu_ep.cc; the shape/dtype validation is shared: validate.h). Binding and
+// validation only: the protocol lives in kernels/cuda/ep_dispatch.cu and ep_combine.cu (the guard's check in
+// ep_guard.cu), the copy-engine rows and the host's call count in kernels/cuda/ep_copy_engine.cc. Each op is ONE
+// kernel launch on XLA's stream, no host synchronisation; errors found on the device (timeouts, bad routing,
+// inconsistent handles) are recorded in the member's error record and fail the next op of the context or
+// ctx.check(). Sizes are kernel arguments (no recompilation per token count). Tuning comes as attributes
+// (jax_engram.EPConfig, decided in Python at trace time, so identical on every rank): copy_pieces and stage_warps;
+// this file only checks that the hardware can do them.
 //
 // Every op has two targets: "jax_engram_ep_<op>" and "jax_engram_ep_<op>_graph" (Context cuda_graphs=True), the
 // same code, the latter marked command-buffer compatible so that XLA may capture it into a CUDA graph and replay it
@@ -36,9 +37,10 @@ namespace {
 using namespace validate;
 
 // Graph targets: counts the calls XLA captures into a CUDA graph (CudaMemberState::graph_captures: the tests'
-// proof that capture happened). Other targets: refuses capture, which would replay the host's copy-engine decisions
-// and counts (XLA never captures a target without the trait; this guards against anything else capturing).
-enum CaptureKind { kCaptureDispatch = 0, kCaptureCached = 1, kCaptureCombine = 2 };
+// proof that capture happened; the guard's are not counted). Other targets: refuses capture, which would replay the
+// host's copy-engine decisions and counts (XLA never captures a target without the trait; this guards against
+// anything else capturing).
+enum CaptureKind { kCaptureGuard = -1, kCaptureDispatch = 0, kCaptureCached = 1, kCaptureCombine = 2 };
 ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32_t op, CaptureKind kind) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(stream, &cs);
@@ -47,7 +49,7 @@ ffi::Error note_capture(Member& m, cudaStream_t stream, bool graph_target, int32
   if (!graph_target)
     return op_error(op, "this call is being captured into a CUDA graph, but only the graph targets (Context "
                         "cuda_graphs=True) may be", ffi::ErrorCode::kFailedPrecondition);
-  cuda_state(m).graph_captures[kind].fetch_add(1, std::memory_order_relaxed);
+  if (kind != kCaptureGuard) cuda_state(m).graph_captures[kind].fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -288,6 +290,40 @@ ffi::Error EpCombineCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   return ffi::Error::Success();
 }
 
+// The one-rank local path's guard (jax_engram/_ep_local.py): refuses a closed or failed context as every EP handler
+// does, and launches the dispatch's routing check (kernels/cuda/ep_guard.cu), which copies topk_idx to topk_out and
+// records a bad entry as the dispatch kernel does (the next op or ctx.check() reports it). The token passes on: XLA
+// aliases token_out to token, so a guard with no routing to check launches nothing (the graph target still launches
+// the kernel, so that a capture always records a node).
+template <bool kGraph>
+ffi::Error EpGuardCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk_idx,
+                       ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> topk_out,
+                       EpGuardAttrs at) {
+  int32_t op;
+  JE_CHECK(guard_op(at, &op));
+  MemberScope s(at.ctx_id, ordinal, op);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
+  JE_CHECK(check_guard(op, token, topk_idx, *token_out, *topk_out, at));
+  EpGuardParams p;
+  p.topk = static_cast<const int32_t*>(topk_idx.untyped_data());
+  p.topk_out = static_cast<int32_t*>(topk_out->untyped_data());
+  p.N = topk_idx.dimensions()[0];
+  p.K = static_cast<int32_t>(topk_idx.dimensions()[1]);
+  p.E = static_cast<int32_t>(at.num_experts);
+  p.token = static_cast<const int32_t*>(token.untyped_data());
+  p.token_out = static_cast<int32_t*>(token_out->untyped_data());
+  p.err = m.error_device;
+  p.rank = m.rank;
+  CudaDeviceGuard g(ordinal);
+  if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
+  JE_CHECK(note_capture(m, stream, kGraph, op, kCaptureGuard));
+  if (!kGraph && (p.N == 0 || p.K == 0) && p.token_out == p.token) return ffi::Error::Success();
+  const cudaError_t e = launch_ep_guard(p, stream);
+  if (e != cudaSuccess) return cuda_failure(op, "launching the guard kernel", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
@@ -318,6 +354,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpDispatchCachedGraphCuda, EpDispatchCachedCuda<
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineGraphCuda, EpCombineCuda<true>,
                               bind_ep_combine(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCuda, EpGuardCuda<false>,
+                              bind_ep_guard(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardGraphCuda, EpGuardCuda<true>,
+                              bind_ep_guard(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCuda));
@@ -325,5 +366,7 @@ static HandlerRegistrar reg_dispatch_g("jax_engram_ep_dispatch_graph", reinterpr
 static HandlerRegistrar reg_cached_g("jax_engram_ep_dispatch_cached_graph",
                                      reinterpret_cast<void*>(JeEpDispatchCachedGraphCuda));
 static HandlerRegistrar reg_combine_g("jax_engram_ep_combine_graph", reinterpret_cast<void*>(JeEpCombineGraphCuda));
+static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCuda));
+static HandlerRegistrar reg_guard_g("jax_engram_ep_guard_graph", reinterpret_cast<void*>(JeEpGuardGraphCuda));
 
 }  // namespace jax_engram

@@ -29,8 +29,19 @@ struct EpCombineAttrs {
   int64_t num_sms, stage_warps;  // CUDA only (0 = the defaults)
 };
 
+// Static attributes of the guard of the one-rank local path (jax_engram/_ep_local.py): the op it stands for
+// (combine 0: a dispatch, 1: a combine; the op its errors name) and the experts of the routing it checks.
+struct EpGuardAttrs {
+  int64_t ctx_id;
+  int64_t combine;
+  int64_t num_experts;
+};
+
 }  // namespace jax_engram
 
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_engram::EpGuardAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
+    ::xla::ffi::StructMember<int64_t>("combine"), ::xla::ffi::StructMember<int64_t>("num_experts"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EpDispatchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
@@ -105,6 +116,19 @@ auto bind_ep_combine(B&& b) {
                  .template Ret<ffi::AnyBuffer>()  // combined_topk_weights
                  .template Ret<ffi::AnyBuffer>();  // token_out
   return std::move(ops).template Attrs<EpCombineAttrs>();
+}
+
+// The guard: the token passes through (token_out; Python aliases it to token), topk_idx [N, K] is the routing to check
+// ([0, 0] for the ops that route nothing) and topk_out its copy, written by the check (what the local path computes
+// the layout from, so that nothing of it runs before the check).
+template <typename B>
+auto bind_ep_guard(B&& b) {
+  auto ops = std::forward<B>(b)
+                 .template Arg<ffi::AnyBuffer>()  // token
+                 .template Arg<ffi::AnyBuffer>()  // topk_idx
+                 .template Ret<ffi::AnyBuffer>()  // token_out
+                 .template Ret<ffi::AnyBuffer>();  // topk_out
+  return std::move(ops).template Attrs<EpGuardAttrs>();
 }
 
 }  // namespace jax_engram

@@ -263,6 +263,32 @@ inline ffi::Error check_combine(int32_t op, Member& m, const ffi::AnyBuffer& y, 
   return check_row_count(op, *s);
 }
 
+// The op a guard stands for (kOpEpDispatch or kOpEpCombine, the name its errors carry): known before the member's
+// lookup, whose refusal names it.
+inline ffi::Error guard_op(const EpGuardAttrs& at, int32_t* op) {
+  if (at.combine != 0 && at.combine != 1)
+    return op_error(kOpEpDispatch, "guard combine=" + std::to_string(at.combine) + " must be 0 or 1");
+  *op = at.combine ? kOpEpCombine : kOpEpDispatch;
+  return ffi::Error::Success();
+}
+
+// Every buffer of a guard: the token, topk_idx [N, K] (int32, K <= 32) and its copy topk_out, num_experts as a
+// dispatch takes it.
+inline ffi::Error check_guard(int32_t op, const ffi::AnyBuffer& token, const ffi::AnyBuffer& topk_idx,
+                              const ffi::AnyBuffer& token_out, const ffi::AnyBuffer& topk_out,
+                              const EpGuardAttrs& at) {
+  if (topk_idx.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk_idx));
+  JE_CHECK(check(op, "topk_idx", topk_idx, {-1, -1}, {DT::S32}));
+  if (topk_idx.dimensions()[1] > kEpMaxTopk)
+    return op_error(op, "top-k " + std::to_string(topk_idx.dimensions()[1]) + " must be <= 32");
+  if (topk_idx.dimensions()[0] >= (int64_t{1} << 31))
+    return op_error(op, "topk_idx must have fewer than 2^31 tokens, got " + shape_str(topk_idx));
+  JE_CHECK(check(op, "topk_out", topk_out, {topk_idx.dimensions()[0], topk_idx.dimensions()[1]}, {DT::S32}));
+  if (at.num_experts <= 0 || at.num_experts > kEpMaxExperts)
+    return op_error(op, "num_experts=" + std::to_string(at.num_experts) + " must be in [1, " +
+                            std::to_string(kEpMaxExperts) + "]");
+  return check_token(op, token, token_out);
+}
 
 }  // namespace validate
 }  // namespace jax_engram

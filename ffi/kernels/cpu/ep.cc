@@ -66,7 +66,35 @@ inline void fail_local(Member& m, int32_t op, int64_t detail, int64_t value) {
   record_error(m.error_host, kErrBadInput, op, m.rank, m.rank, 0, value, 0, detail);
 }
 
+// The first bad entry of topk [N, K] in token order, then k order: an id outside [-1, E) or a valid id an earlier k
+// of the token holds. Returns false (nothing bad) or fills *detail = ep_bad_detail(token, kind) and *value = the id.
+bool first_bad_route(const int32_t* topk, int64_t N, int64_t K, int64_t E, int64_t* detail, int64_t* value) {
+  for (int64_t t = 0; t < N; ++t) {
+    const int32_t* row = topk + t * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t id = row[k];
+      int32_t kind = 0;
+      if (id < -1 || id >= E) kind = kEpBadExpertRange;
+      for (int64_t j = 0; j < k && !kind; ++j)
+        if (id >= 0 && row[j] == id) kind = kEpBadDuplicateExpert;
+      if (kind) {
+        *detail = ep_bad_detail(t, kind);
+        *value = id;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 }  // namespace
+
+bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E) {
+  int64_t detail = 0, value = 0;
+  if (!first_bad_route(topk, N, K, E, &detail, &value)) return true;
+  fail_local(m, kOpEpDispatch, detail, value);
+  return false;
+}
 
 bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatchArgs& a) {
   const EpConfig& c = a.c;
@@ -77,21 +105,12 @@ bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatc
   uint8_t* h = region.local + offset + L.half(seq);
 
   // 1. Validate and lay out own routing (counting sort in token order).
-  for (int64_t t = 0; t < N; ++t) {
-    const int32_t* row = a.topk + t * K;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t id = row[k];
-      int32_t kind = 0;
-      if (id < -1 || id >= E) kind = kEpBadExpertRange;
-      for (int64_t j = 0; j < k && !kind; ++j)
-        if (id >= 0 && row[j] == id) kind = kEpBadDuplicateExpert;
-      if (kind) {
-        mark_bad(m, EpWorkspace::kDispatchBad, seq, ep_bad_detail(t, kind), id);
-        publish(m, EpWorkspace::kDispatchReady, seq);
-        fail_local(m, kOpEpDispatch, ep_bad_detail(t, kind), id);
-        return false;
-      }
-    }
+  int64_t bad_detail = 0, bad_value = 0;
+  if (first_bad_route(a.topk, N, K, E, &bad_detail, &bad_value)) {
+    mark_bad(m, EpWorkspace::kDispatchBad, seq, bad_detail, bad_value);
+    publish(m, EpWorkspace::kDispatchReady, seq);
+    fail_local(m, kOpEpDispatch, bad_detail, bad_value);
+    return false;
   }
   int32_t* counts = at<int32_t>(h, L.counts());
   int32_t* exp_counts = at<int32_t>(h, L.exp_counts());

@@ -75,6 +75,12 @@ struct EpCombineArgs {
   float* out_w = nullptr;              // [N, K] or null
 };
 
+// The routing check of a dispatch without the dispatch (the one-rank local path's guard, jax_engram/_ep_local.py):
+// the first bad entry of topk [N, K] (an id outside [-1, E), a valid id listed twice in a token), found in the same
+// order as ep_dispatch finds it, is recorded in the member's ErrorRecord as ep_dispatch records it; returns false
+// then. Touches nothing else (no window, no sequence).
+bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E);
+
 // `region` is the staging allocation, `offset` the staging region's offset in it (same on every rank).
 bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatchArgs& a);
 bool ep_dispatch_cached(Member& m, Allocation& region, uint64_t offset, const EpCachedArgs& a);

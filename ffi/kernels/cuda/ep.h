@@ -1,4 +1,5 @@
-// Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu): parameter blocks and launchers.
+// Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu, ep_guard.cu): parameter blocks and
+// launchers.
 // Plain C++ (no device code): included by handlers/cuda_ep.cc and the host orchestration (ep_copy_engine.cc).
 //
 // Both ops are ONE cooperative launch of `num_sms` CTAs each (push protocol: ep_layout.h, ep_dispatch.cu,
@@ -167,6 +168,23 @@ inline int32_t ep_ce_chunks(int64_t per_cta, int64_t stage_warps) {
   const int64_t m = (n + stage_warps - 1) / stage_warps;
   return static_cast<int32_t>((m < 1 ? 1 : m) * stage_warps);
 }
+
+// The one-rank local path's guard (jax_engram/_ep_local.py; ep_guard.cu): the dispatch's routing check alone.
+struct EpGuardParams {
+  const int32_t* topk = nullptr;  // [N, K]
+  int32_t* topk_out = nullptr;    // [N, K]: the copy of topk
+  int64_t N = 0;
+  int32_t K = 0, E = 0;
+  const int32_t* token = nullptr;  // 4 bytes, copied to token_out unless they are the same buffer
+  int32_t* token_out = nullptr;
+  ErrorRecord* err = nullptr;      // the member's error record
+  int32_t rank = 0;
+};
+
+// ONE CTA on `stream` copies topk to topk_out and records topk's first bad entry (an id outside [-1, E), a valid id
+// listed twice in a token: the same entry, found in the same order, and the same record as the dispatch kernel's
+// layout pass) in the member's error record; the next op's handler or ctx.check() reports it. No host sync.
+cudaError_t launch_ep_guard(const EpGuardParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
 // `ce`: copy-engine rows (the peers' layout counters too); *peer_offset: where those start.

@@ -9,19 +9,21 @@ import numpy as np
 import jax_engram as je
 from jax_engram import ep
 
-from _ep_check.common import EPC, R, SPEC, args, check, devices, local, mesh, same, shard
+from _ep_check.common import EPC, LOCAL, R, SPEC, args, check, devices, local, mesh, same, shard
 from _harness import expect_error
 
 
 def suite_config(ctx):
     check("ep_config_attributes_and_cache_key", lambda: _config_check(ctx))
     check("ep_config_type_errors", _config_type_check)
-    check("ep_config_handler_safety_net", _config_safety_net_check)
+    if not LOCAL:  # the local path calls no dispatch handler to check the tuning attributes
+        check("ep_config_handler_safety_net", _config_safety_net_check)
 
 
 def _config_check(ctx):
     """An EPConfig reaches the handlers as attributes of the custom calls (the per-op config over the context's), so
-    a new config compiles anew; the results do not change. The dispatch's config also rules its combine."""
+    a new config compiles anew; the results do not change. The dispatch's config also rules its combine. On the
+    one-rank local path no handler takes the tuning: its guards are the only custom calls."""
     E, K, M, H = 4 * R, 2, 8, 128
 
     def make(config):
@@ -35,13 +37,17 @@ def _config_check(ctx):
     rng = np.random.default_rng(3)
     x = shard(rng.standard_normal((R, M, H)).astype(jnp.bfloat16))
     idx = shard(np.stack([rng.permutation(E)[:K] for _ in range(R * M)]).reshape(R, M, K).astype(np.int32))
-    cfg = je.EPConfig(dispatch_copy_engine="never", dispatch_stage_warps=5, combine_stage_warps=11)
+    cfg = je.EPConfig(dispatch_copy_engine="never", dispatch_stage_warps=5, combine_stage_warps=11,
+                      one_rank=EPC.one_rank)
     f_default, f_cfg = make(None), make(cfg)
     hlo = f_cfg.lower(x, idx).as_text()
-    for want in ("stage_warps = 5", "stage_warps = 11", "copy_pieces = 0"):
+    wants = ("jax_engram_ep_guard",) if LOCAL else ("stage_warps = 5", "stage_warps = 11", "copy_pieces = 0")
+    for want in wants:
         if want not in hlo:
             return False, f"{want!r} not among the custom calls' attributes"
-    if "stage_warps = 0" not in f_default.lower(x, idx).as_text():
+    if LOCAL and "jax_engram_ep_dispatch" in hlo:
+        return False, "the one-rank local path calls the dispatch kernels"
+    if not LOCAL and "stage_warps = 0" not in f_default.lower(x, idx).as_text():
         return False, "the default config does not pass stage_warps = 0"
     a, b = local(f_default(x, idx)), local(f_cfg(x, idx))
     same = sorted(a) == sorted(b) and all(np.array_equal(a[r].view(np.uint16), b[r].view(np.uint16)) for r in a)

@@ -38,7 +38,7 @@ def _parse_ep_config(text: str) -> "je.EPConfig":
     kw = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=", 1)
-        kw[k] = v if k == "dispatch_copy_engine" else int(v)
+        kw[k] = v if k in ("dispatch_copy_engine", "one_rank") else int(v)
     return je.EPConfig(**kw)
 
 
@@ -53,6 +53,9 @@ T0 = time.time()
 
 devices = jax.devices()
 R = len(devices)
+# The EP ops of a flat context of one rank take the local path (jax_engram/_ep_local.py: no dispatch / combine
+# handler, no staging region; its guard calls keep the errors): the checks of those handlers do not apply then.
+LOCAL = R == 1 and not args.nodes and EPC.one_rank == "local"
 if args.nodes:
     AX = ("node", "gpu")
     mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(args.nodes, -1),
