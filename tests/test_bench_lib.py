@@ -422,6 +422,6 @@ def test_bench_ep_one_rank_cpu_run(tmp_path):
     res = json.loads(out.read_text())
     variants = {r["variant"] for r in res["one_rank"]}
     assert variants == {"ours expand", "ours non-expand", "native expand", "native non-expand", "plain-JAX permute"}
-    assert res["copy_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])
+    assert res["hbm_rw_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])
     assert res["checks"] and all(v for c in res["checks"].values() for v in c.values()), res["checks"]
     assert "ours == native in every shape" in p.stdout
