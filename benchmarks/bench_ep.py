@@ -544,7 +544,7 @@ def main():
 # --------------------------------------------------------------------------------------------- one rank
 def one_rank_main():
     """One device, one rank: jitted dispatch + combine per call (one fori_loop step: combine(dispatch(x)) feeds the
-    next call's x) for our one-rank path (expand and non-expand; EPConfig.one_rank='local', its guard
+    next call's x) for our one-rank path (expand and non-expand; EPConfig.one_rank='local', the default, its guard
     calls included), the native kernels forced on the same context kind (EPConfig.one_rank='kernels'), and the
     plain-JAX permute (_baselines.local_permute_dispatch / _combine: argsort
     by expert, take, weighted segment_sum), all in the same run. Per call = the slope between loops of --loop and 3x --loop calls (_common.time_per_call).
@@ -570,7 +570,7 @@ def one_rank_main():
         f"x ^ const streamed in place)")
     results["hbm_rw_gbps"] = bw
 
-    ctx = jax_engram.init(mesh, AX, ep_config=jax_engram.EPConfig(one_rank="local"))  # the one-rank path
+    ctx = jax_engram.init(mesh, AX)  # the one-rank path (EPConfig.one_rank="local", the default)
     ctx_native = jax_engram.init(mesh, AX, ep_config=jax_engram.EPConfig(one_rank="kernels"))  # the native kernels
     rows = []
     for N, H, K, E in shapes:

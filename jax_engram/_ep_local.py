@@ -52,7 +52,7 @@ _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 def applies(ctx, ep_config) -> bool:
     """Whether the EP ops of this flat context take the one-rank path: one rank and ``EPConfig.one_rank ==
-    "local"`` (opt-in; ``ctx._ep_local = False`` forces the native kernels even then)."""
+    "local"`` (the default; ``ctx._ep_local = False`` forces the native kernels even then)."""
     return ctx.num_ranks == 1 and ep_config.one_rank == "local" and getattr(ctx, "_ep_local", True)
 
 

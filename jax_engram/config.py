@@ -161,21 +161,21 @@ class EPConfig:
         receive); None: the path's default (SM stores 6; copy engine: 1, cached 4). In ``[1, 15]``.
       combine_stage_warps: the same for combine; None: 8 (expand: 14). Far fewer than the default can be much
         slower for the expand combine, whose expert side sums several rows per pushed row.
-      one_rank: how a flat context of ONE rank runs dispatch / combine. ``"local"``: a local permutation
+      one_rank: how a flat context of ONE rank runs dispatch / combine. ``"local"`` (default): a local permutation
         in plain JAX (nothing crosses a link at one rank: no dispatch / combine kernel, no staging buffer), bit for
         bit the layouts, sums and gradients of the kernels, behind a small guard call per op that keeps their
         errors: bad routing (an expert id outside ``[-1, num_experts)``, a duplicate in a token) fails the dispatch
         with the kernels' error and leaves the context unusable, and a closed context or one with an error refuses
         the op. What it does not check is a handle's arrays (the kernels' check that a handle comes from this
-        context's dispatch). ``"kernels"`` (default): the kernels of every group size. The local path is
-        opt-in until its guard call has run on a GPU (proved on CPU only).
+        context's dispatch). ``"kernels"``: the kernels of every group size (for tests and benchmarks that compare
+        the two).
     """
 
     dispatch_copy_engine: Literal["auto", "never", "always"] = "auto"
     copy_engine_pieces: int = 4
     dispatch_stage_warps: Optional[int] = None
     combine_stage_warps: Optional[int] = None
-    one_rank: Literal["kernels", "local"] = "kernels"
+    one_rank: Literal["kernels", "local"] = "local"
 
     def __post_init__(self):
         if self.dispatch_copy_engine not in _COPY_ENGINE_MODES:

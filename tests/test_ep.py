@@ -71,11 +71,11 @@ def test_one_process_four_cpu_devices(ref_dir):
 
 
 def test_one_cpu_device_local_path(ref_dir):
-    # One rank on the local path (EPConfig(one_rank="local"), jax_engram/_ep_local.py): every case bit-exact against the reference,
+    # One rank takes the local path by default (jax_engram/_ep_local.py): every case bit-exact against the reference,
     # the jit cache, the lanes, the config, and the errors (bad routing, a closed context) through its guard calls.
     # tests/test_ep_local.py compares it with the kernels at one rank.
     res = _run_single(["--platform", "cpu", "--cpu-devices", "1", "--suite", "cases,cache,gradne,lanes,config,errors",
-                       "--ep-config", "one_rank=local", "--ref-dir", ref_dir], env={"JAX_PLATFORMS": "cpu"})
+                       "--ref-dir", ref_dir], env={"JAX_PLATFORMS": "cpu"})
     assert res[0]["devices"] == 1 and res[0]["processes"] == 1
     _assert_all_pass(res, min_checks=30)
     for name in ("error_duplicate_expert_names_token", "error_expert_out_of_range", "error_expert_below_minus_one",
@@ -97,8 +97,7 @@ _ONE_RANK_SUITES = "cases,cache,gradne,lanes,config,errors"
 def test_one_gpu_one_rank(variant):
     # one rank on one GPU: the local path (its CUDA guard kernel; with cuda_graphs its graph target, captured) and
     # the kernels, every suite that applies at one rank
-    extra = {"local": ["--ep-config", "one_rank=local"], "kernels": ["--ep-config", "one_rank=kernels"],
-             "local_cuda_graphs": ["--ep-config", "one_rank=local", "--cuda-graphs"]}[variant]
+    extra = {"kernels": ["--ep-config", "one_rank=kernels"], "local_cuda_graphs": ["--cuda-graphs"]}.get(variant, [])
     env = _one_gpu_env(_GRAPH_ENV if variant == "local_cuda_graphs" else None)
     res = _run_single(["--platform", "gpu", "--suite", _ONE_RANK_SUITES, *extra], env=env)
     assert res[0]["devices"] == 1

@@ -36,7 +36,7 @@ AX = "ep"
 @pytest.fixture(scope="module")
 def contexts():
     mesh = jax.make_mesh((1,), (AX,), devices=jax.devices(PLATFORM)[:1])
-    local = je.init(mesh, AX, ep_config=je.EPConfig(one_rank="local"))
+    local = je.init(mesh, AX)
     native = je.init(mesh, AX, ep_config=je.EPConfig(one_rank="kernels"))
     yield mesh, local, native
     native.close()
