@@ -396,7 +396,7 @@ def main():
     platform = devs[0].platform
     log(f"bench_ep: {R} ranks ({platform}, {info.get('device_kind')}, {info.get('sms')} SMs), processes="
         f"{jax.process_count()}, jax {jax.__version__}")
-    results = dict(env=info, args=vars(ARGS), ranks=R, runs=[], baselines={}, baselines_by_dtype={}, ceiling=None,
+    results = dict(env=info, args=dict(vars(ARGS), out=os.path.basename(ARGS.out) if ARGS.out else None), ranks=R, runs=[], baselines={}, baselines_by_dtype={}, ceiling=None,
                    ceiling_definition=CE.NVLINK_CEILING, ceiling_gbps=None)
 
     ceil_gbps = None
@@ -559,7 +559,8 @@ def one_rank_main():
     shapes = ONE_RANK_SMOKE if ARGS.smoke else ONE_RANK_SHAPES
     n1, n2 = (ARGS.loop, 3 * ARGS.loop) if ARGS.smoke else (20, 60)
     iters, warmup = (ARGS.iters, ARGS.warmup) if ARGS.smoke else (5, 1)
-    results = dict(env=C.env_info(), args=vars(ARGS), one_rank=[])
+    results = dict(env=C.env_info(), args=dict(vars(ARGS), out=os.path.basename(ARGS.out) if ARGS.out else None),
+                   one_rank=[])  # no machine paths in the JSON
     log(f"bench_ep --one-rank: 1 {platform} device ({results['env'].get('device_kind')}), jax {jax.__version__}")
 
     # HBM bandwidth, read + write counted: an in-place streaming kernel over a large array (_ceilings), same run
