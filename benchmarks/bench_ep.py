@@ -396,7 +396,8 @@ def main():
     platform = devs[0].platform
     log(f"bench_ep: {R} ranks ({platform}, {info.get('device_kind')}, {info.get('sms')} SMs), processes="
         f"{jax.process_count()}, jax {jax.__version__}")
-    results = dict(env=info, args=dict(vars(ARGS), out=os.path.basename(ARGS.out) if ARGS.out else None), ranks=R, runs=[], baselines={}, baselines_by_dtype={}, ceiling=None,
+    shown = dict(vars(ARGS), out=os.path.basename(ARGS.out) if ARGS.out else None)  # no machine paths in the JSON
+    results = dict(env=info, args=shown, ranks=R, runs=[], baselines={}, baselines_by_dtype={}, ceiling=None,
                    ceiling_definition=CE.NVLINK_CEILING, ceiling_gbps=None)
 
     ceil_gbps = None
