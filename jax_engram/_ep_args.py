@@ -96,7 +96,7 @@ def dispatch_args(x, topk_idx, topk_weights, *, ctx, num_experts, max_tokens_per
     its axes); raise ``TypeError`` / ``ValueError`` naming the argument."""
     _call.check_axis(ctx, "dispatch")
     num_ranks = ctx.num_ranks
-    x = jnp.asarray(x)
+    x = _call.on_mesh(ctx, "dispatch", x)
     if x.ndim != 2:
         raise ValueError(f"jax_engram.dispatch: x must be [num_tokens, hidden], got shape {x.shape}")
     if not dtype_in(x.dtype, X_DTYPES):
@@ -177,7 +177,7 @@ def combine_args(y, handle, *, topk_weights, bias, token) -> CombineArgs:
                         f"{type(handle).__name__}")
     cfg = handle.config
     _call.check_axis(cfg.ctx, "combine")
-    y = jnp.asarray(y)
+    y = _call.on_mesh(cfg.ctx, "combine", y)
     if y.ndim != 2 or y.shape[0] != cfg.rows:
         raise ValueError(f"jax_engram.combine: y must be [{cfg.rows}, hidden] (the "
                          f"{'expand' if cfg.expand else 'non-expand'} receive layout of the handle's dispatch), got "

@@ -37,6 +37,16 @@ def ffi_effect():
     return _FfiEffect
 
 
+def register_dce_rule(primitive, rule) -> None:
+    """Installs ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)`` as ``primitive``'s dead-code elimination
+    rule (``jax._src.interpreters.partial_eval.dce_rules``)."""
+    try:
+        from jax._src.interpreters.partial_eval import dce_rules
+    except ImportError as e:
+        raise _missing("jax._src.interpreters.partial_eval.dce_rules", e) from None
+    dce_rules[primitive] = rule
+
+
 def in_eager_shard_map() -> bool:
     """Whether the innermost trace is an eager (not jitted) ``jax.shard_map``, which runs every primitive as a
     program of its own."""

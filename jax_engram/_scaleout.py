@@ -62,6 +62,7 @@ class HierEngram:
 
     def write(self, storage, sf=None, *, after=None):
         _call.check_axis(self.ctx, "EngramTable.write")
+        storage = _call.on_mesh(self.ctx, "EngramTable.write", storage)
         if self.num_sf_packs and sf is None:
             raise ValueError(f"jax_engram EngramTable.write: the table has num_sf_packs={self.num_sf_packs}: "
                              f"pass sf, the replicated scale-factor table [num_ranks*num_entries, P] = "

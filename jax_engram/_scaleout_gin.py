@@ -29,6 +29,8 @@ import itertools
 import jax
 import numpy as np
 
+from jax_engram import _call
+
 XLA = "xla all_to_all"
 GIN = "gin"
 _MIN_NCCL = 23004  # 2.30.4
@@ -192,10 +194,10 @@ def fetch(ctx, ids, rows, *, window: int, region_offset: int, num_entries: int, 
     """The GIN leg of a lookup: ids [T, E] global (int32), rows [T, E*w] from the intra-node lookup (rows of this
     node filled, the rest zero) -> rows with the rows of other nodes read from their owners' windows. Same
     resolution of ids as the collective path (mode, padding)."""
-    out = (jax.ShapeDtypeStruct(rows.shape, rows.dtype), jax.ShapeDtypeStruct((), np.int32))
-    call = jax.ffi.ffi_call("jax_engram_engram_gin_fetch", out, has_side_effect=True, input_output_aliases={1: 0})
-    i64 = np.int64  # the attributes: EngramGinFetchAttrs (ffi/handlers/engram_bindings.h), all of them
-    rows, _ = call(ids, rows, ctx_id=i64(ctx.id), window_id=i64(window), num_entries=i64(num_entries),
-                   ranks_per_node=i64(ctx.local_size), nodes=i64(ctx.num_nodes), row_bytes=i64(row_bytes),
-                   region_offset=i64(region_offset), local_stride=i64(local_stride), mode=i64(mode))
+    out = [_call.like(rows), _call.like(rows, (), np.int32)]
+    # The attributes: EngramGinFetchAttrs (ffi/handlers/engram_bindings.h), all of them (ctx_id added by call).
+    rows, _ = _call.call(ctx, "jax_engram_engram_gin_fetch", out, ids, rows, input_output_aliases={1: 0},
+                         window_id=window, num_entries=num_entries, ranks_per_node=ctx.local_size,
+                         nodes=ctx.num_nodes, row_bytes=row_bytes, region_offset=region_offset,
+                         local_stride=local_stride, mode=mode)
     return rows

@@ -322,7 +322,7 @@ class EngramTable:
         return (packs, (num_tokens + _SF_TOKEN_ALIGN - 1) // _SF_TOKEN_ALIGN * _SF_TOKEN_ALIGN)
 
     def _indices(self, indices, op: str):
-        indices = jnp.asarray(indices)
+        indices = _call.on_mesh(self.ctx, f"EngramTable.{op}", indices)
         if indices.ndim != 2:
             raise ValueError(f"jax_engram EngramTable.{op}: indices must be [num_tokens, ids_per_token] global "
                              f"ids, got shape {indices.shape}")
@@ -358,7 +358,7 @@ class EngramTable:
             return self._hier.write(storage, sf, after=after)
         _call.check_axis(self.ctx, "EngramTable.write")
         pre = "jax_engram EngramTable.write"
-        storage = jnp.asarray(storage)
+        storage = _call.on_mesh(self.ctx, "EngramTable.write", storage)
         if storage.shape != (self.num_entries, self.hidden):
             raise ValueError(f"{pre}: storage must be this rank's shard [num_entries, hidden] = "
                              f"[{self.num_entries}, {self.hidden}] (local shape inside shard_map), got "
@@ -389,7 +389,7 @@ class EngramTable:
         # lookup inside a training step; the write contributes no gradient to it).
         token = _call.new_token(self.ctx) if after is None else jax.lax.stop_gradient(jnp.asarray(after))
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
-                          storage, sf, **self._write_attrs(sf_bytes))
+                          storage, sf, effect=True, **self._write_attrs(sf_bytes))
 
     def fetch(self, indices: jax.Array, *, after: Optional[jax.Array] = None, mode: EngramMode = "fill",
               sf_layout: SfLayout = "row", overlap: bool = True,
@@ -459,10 +459,9 @@ class EngramTable:
         ops = (pending.data, pending.sf, pending.status, pending.indices,
                pending.status if after is None else jax.lax.stop_gradient(jnp.asarray(after)))
         # EngramWaitAttrs: ctx_id, overlap, slot.
-        data, sf = jax.ffi.ffi_call("jax_engram_engram_wait", (_call.like(ops[0]), _call.like(ops[1])),
-                                    has_side_effect=True, input_output_aliases={0: 0, 1: 1})(
-                                        *ops, ctx_id=_call.i64(self.ctx.id), overlap=_call.i64(pending.overlap),
-                                        slot=_call.i64(pending.slot))
+        data, sf = _call.call(self.ctx, "jax_engram_engram_wait", [_call.like(ops[0]), _call.like(ops[1])], *ops,
+                              input_output_aliases={0: 0, 1: 1}, keep=bool(pending.overlap), overlap=pending.overlap,
+                              slot=pending.slot)
         if pending.check_total:
             _call.require_host_callbacks("EngramTable.wait (mode='checked')")
             # A host callback after the reads: it fails this call (the execution) with the bad id, once; the

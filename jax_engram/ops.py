@@ -24,7 +24,8 @@ def barrier(*, ctx: Context, after: Optional[jax.Array] = None) -> jax.Array:
     """
     _call.check_axis(ctx, "barrier")
     token = _call.new_token(ctx) if after is None else jnp.asarray(after).astype(jnp.float32)
-    return _call.call(ctx, "jax_engram_barrier", _call.like(token), token)
+    token = _call.on_mesh(ctx, "barrier", token)
+    return _call.call(ctx, "jax_engram_barrier", _call.like(token), token, effect=True)
 
 
 def ring_exchange(x: jax.Array, *, ctx: Context, placement: Placement = "device") -> jax.Array:
@@ -39,7 +40,7 @@ def ring_exchange(x: jax.Array, *, ctx: Context, placement: Placement = "device"
     Returns an array of x's shape and dtype: rank r gets rank (r - 1) mod R's block.
     """
     _call.check_axis(ctx, "ring_exchange")
-    x = jnp.asarray(x)
+    x = _call.on_mesh(ctx, "ring_exchange", x)
     nbytes = x.size * x.dtype.itemsize
     region = ctx.region(nbytes, placement, key=("ring_exchange", placement), what="ring_exchange buffer")
     return _call.call(ctx, "jax_engram_ring_exchange", _call.like(x), x, alloc_id=region.alloc_id,

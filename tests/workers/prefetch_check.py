@@ -84,7 +84,7 @@ def wait_after_avals(fn, *a):
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
-            if e.primitive.name == "ffi_call" and e.params["target_name"] == "jax_engram_engram_wait":
+            if e.primitive.name == "jax_engram_ffi_call" and e.params["target"] == "jax_engram_engram_wait":
                 out.append(e.invars[-1].aval)
             for v in e.params.values():
                 for sub in (v if isinstance(v, (tuple, list)) else (v,)):

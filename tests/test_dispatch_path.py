@@ -1,0 +1,114 @@
+"""Jitted functions that call jax_engram ops keep JAX's C++ dispatch path (jax_engram/_call.py, ``_ffi_p``).
+
+JAX runs a jitted function through Python on every call when its program has an effect; a JAX effect on the data
+ops would cost every model step that calls them about a millisecond of host time. The ops are effect-free for JAX
+and side-effecting custom calls in the HLO (XLA never drops or merges them); a write and a barrier, whose result is
+their effect, keep JAX's effect; an overlapped fetch's wait is kept even when its results are unused.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jax_engram as je
+from jax_engram import reference as ref
+
+AX = "ep"
+
+
+def _mesh():
+    return jax.make_mesh((1,), (AX,), devices=jax.devices("cpu")[:1])
+
+
+def _custom_calls(text: str) -> dict[str, list[str]]:
+    """{target: [has_side_effect value per call]} of the lowered StableHLO text."""
+    out: dict[str, list[str]] = {}
+    for m in re.finditer(r'stablehlo\.custom_call @(\w+)\(.*?\)\s*\{(.*?)\}\s*:', text, re.S):
+        side = re.search(r"has_side_effect\s*=\s*(\w+)", m.group(2))
+        out.setdefault(m.group(1), []).append(side.group(1) if side else "false")
+    return out
+
+
+def test_a_model_step_has_no_jax_effect_and_side_effecting_custom_calls():
+    mesh = _mesh()
+    ctx = je.init(mesh, AX)
+    try:
+        rng = np.random.default_rng(0)
+        rows = rng.standard_normal((64, 8)).astype(np.float32)
+        tab = je.EngramTable(64, 8, jnp.float32, ctx=ctx)
+        tab.write_global(rows)
+        ids = rng.integers(-1, 64, (16, 3)).astype(np.int32)
+        x = rng.standard_normal((16, 32)).astype(np.float32)
+        topk = np.stack([np.arange(16) % 4, (np.arange(16) + 1) % 4], 1).astype(np.int32)
+
+        def step(ids, x, topk):
+            pend = tab.fetch(ids)                       # overlapped fetch ...
+            x = je.start_before(x, pend)
+            d = je.dispatch(x, topk, ctx=ctx, num_experts=4, max_tokens_per_rank=16)
+            y = je.combine(d.recv_x, d.handle).combined_x
+            data, _ = tab.wait(pend, after=y)           # ... its wait after the layer
+            looked, _ = tab.lookup(ids)
+            return data, looked, y
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3, check_vma=False))
+        assert jax.make_jaxpr(f)(ids, x, topk).effects == set()
+        calls = _custom_calls(f.lower(ids, x, topk).as_text())
+        for target in ("jax_engram_engram_fetch", "jax_engram_engram_wait"):
+            assert calls.get(target) and all(v == "true" for v in calls[target]), (target, calls)
+        assert any(t.startswith("jax_engram_ep_") for t in calls), calls
+        assert all(v == "true" for t, vs in calls.items() if t.startswith("jax_engram") for v in vs), calls
+        data, looked, y = f(ids, x, topk)
+        want, _ = ref.engram_lookup(rows.reshape(1, 64, 8), ids)
+        np.testing.assert_array_equal(np.asarray(data), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(looked), np.asarray(want))
+        # non-expand: each token reaches the only rank once (for both of its experts) and comes back as it went
+        np.testing.assert_array_equal(np.asarray(y), x)
+    finally:
+        ctx.close()
+
+
+def test_unused_results_drop_reads_but_never_a_wait_a_write_or_a_barrier():
+    mesh = _mesh()
+    ctx = je.init(mesh, AX)
+    try:
+        tab = je.EngramTable(64, 8, jnp.float32, ctx=ctx)
+        ids = np.zeros((4, 2), np.int32)
+
+        def lowered(body, *a):
+            specs = (P(),) * len(a)
+            return _custom_calls(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(),
+                                                       check_vma=False)).lower(*a).as_text())
+
+        def unused_lookup(i):
+            tab.lookup(i)
+            return i
+
+        def unused_wait(i):  # the fetch is kept by start_before; its wait must stay (it joins the fetch's stream)
+            pend = tab.fetch(i)
+            i = je.start_before(i, pend)
+            tab.wait(pend)
+            return i
+
+        def unused_write(s):
+            tab.write(s)
+            return s
+
+        def unused_barrier(i):
+            je.barrier(ctx=ctx)
+            return i
+
+        assert "jax_engram_engram_fetch" not in lowered(unused_lookup, ids)
+        calls = lowered(unused_wait, ids)
+        assert calls.get("jax_engram_engram_fetch") and calls.get("jax_engram_engram_wait"), calls
+        assert "jax_engram_engram_write" in lowered(unused_write, np.zeros((64, 8), np.float32))
+        assert "jax_engram_barrier" in lowered(unused_barrier, ids)
+        # the write and the barrier keep JAX's effect (their only result is what they do)
+        f = jax.jit(jax.shard_map(unused_write, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        assert jax.make_jaxpr(f)(np.zeros((64, 8), np.float32)).effects
+    finally:
+        ctx.close()
