@@ -55,8 +55,8 @@ class JaxEngramError(RuntimeError):
     """An error reported by a jax_engram op on the device (timeout, invalid routing, ...).
 
     Raised by ``Context.check()`` (errors recorded in the context) and by the ``*_global`` methods. A call of a
-    jitted function raises XLA's ``jax.errors.JaxRuntimeError`` carrying the same message (see docs/semantics.md,
-    "Errors")."""
+    jitted function raises what JAX raises for a failed execution (``jax.errors.JaxRuntimeError``, or ``ValueError``
+    once the function has run before) carrying the same message (see docs/semantics.md, "Errors")."""
 
 
 def error_message(e: BaseException) -> str | None:

@@ -237,12 +237,20 @@ def test_one_rank_path_calls_only_its_guards_and_takes_no_region(contexts):
 # At one rank the local path must fail exactly where the kernels fail, with the same exceptions and messages (the
 # context id aside): bad routing (the call on CPU, the next op on GPU; ctx.check() in both), every op of a context
 # with an error, every op of a closed context.
+# What a failed jitted call raises: jax.errors.JaxRuntimeError, or ValueError when the failure surfaces in JAX's
+# C++ dispatch path (a function that has run before; it turns every failed status into ValueError,
+# jax-ml/jax#34083), whichever the timing gives; same message (docs/semantics.md, "Errors").
+_CALL_ERRORS = ("JaxRuntimeError", "ValueError")
+
+
 def _outcome(fn, ctx):
-    """(exception type name, message with the context id replaced) of fn(), or ("ok", "")."""
+    """(exception type name, message with the context id replaced) of fn(), or ("ok", ""); a failed call's
+    JaxRuntimeError / ValueError is "call error"."""
     try:
         jax.block_until_ready(fn())
     except Exception as e:  # noqa: BLE001 - compared between the paths
-        return type(e).__name__, str(e).replace(f"context {ctx.id} ", "context <id> ")
+        kind = "call error" if type(e).__name__ in _CALL_ERRORS else type(e).__name__
+        return kind, str(e).replace(f"context {ctx.id} ", "context <id> ")
     return "ok", ""
 
 
@@ -300,10 +308,10 @@ def test_one_rank_bad_routing_fails_as_the_kernels_fail(contexts, name):
     assert "The context is unusable" in checked[1]
     if PLATFORM == "cpu":  # the CPU kernels fail the call itself (its message also names num_experts' value)
         kind, msg = got[1]
-        assert kind == "JaxRuntimeError", got[1]
+        assert kind == "call error", got[1]
         assert msg.startswith("INVALID_ARGUMENT: jax_engram ep dispatch on rank 0"), got[1]
         assert all(w in msg for w in words) and "The context is unusable" in msg, got[1]
-    assert got[3][0] == "JaxRuntimeError" and checked[1] in got[3][1]  # the context refuses every later op
+    assert got[3][0] == "call error" and checked[1] in got[3][1]  # the context refuses every later op
     assert got[4] == checked
 
 
@@ -348,7 +356,7 @@ def test_one_rank_closed_context_refuses_compiled_ops_as_the_kernels_do(contexts
     assert all(v == ("ok", "") for v in before.values()), before
     for name, (kind, msg) in after.items():
         op = "combine" if name == "combine" else "dispatch"
-        assert kind == "JaxRuntimeError" and msg.startswith(f"FAILED_PRECONDITION: jax_engram ep {op}: no jax_engram "
+        assert kind == "call error" and msg.startswith(f"FAILED_PRECONDITION: jax_engram ep {op}: no jax_engram "
                                                             "context"), (name, kind, msg)
 
 
