@@ -101,7 +101,9 @@ def listening_sockets() -> int:
 
 
 def cycle(i: int) -> dict:
-    ctx = je.init(mesh, AX, timeout_s=30.0, device_bytes=(4 << 20) if i % 2 else None)
+    # one_rank="kernels": at one rank (one GPU) the EP ops would otherwise take the local path, which has no buffers
+    ctx = je.init(mesh, AX, timeout_s=30.0, device_bytes=(4 << 20) if i % 2 else None,
+                  ep_config=je.EPConfig(one_rank="kernels"))
     try:
         if args.platform == "cuda":  # the side NCCL communicator (non-blocking init, bounded teardown) each cycle
             topo = ctx.nccl_topology()

@@ -59,6 +59,9 @@ def suite_errors(_ctx_unused):
             spec = [jax.ShapeDtypeStruct((R, 8, 7168), jnp.bfloat16, sharding=NamedSharding(mesh, SPEC)),
                     jax.ShapeDtypeStruct((R, 8, K), jnp.int32, sharding=NamedSharding(mesh, SPEC))]
             need = ep.dispatch_staging_bytes(R, Mb, K, E, 7168 * 2, 0, push=ctx.platform != "cpu")
+            if need <= 1 << 20:  # one GPU rank: the push dispatch stages only its counts, which fit
+                f.trace(*spec)
+                return f"fits: {need} bytes"
             return expect_error(lambda: f.trace(*spec), "EP dispatch buffer", str(need), "device_bytes")
         finally:
             ctx.close()
