@@ -86,6 +86,10 @@ ap.add_argument("--variants", default=",".join(VARIANTS))
 ap.add_argument("--modes", default="fwd,train")
 ap.add_argument("--iters", type=int, default=10)
 ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of the [cpu] variants "
+                "(0: the library's default)")
+ap.add_argument("--profile", default=None, help="also record 3 steps of every variant with jax.profiler into "
+                "this folder (one trace per variant, mode and T; view in Perfetto or TensorBoard)")
 args = ap.parse_args()
 if args.quick:
     args.iters, args.warmup = min(args.iters, 5), 1
@@ -138,7 +142,7 @@ NOTES: list[str] = []
 def path_config(path: str):
     """EngramConfig for a host path, or None where this build cannot select it (the reason goes to NOTES)."""
     if "host_gather" in {f.name for f in dataclasses.fields(je.EngramConfig)}:
-        return je.EngramConfig(host_gather=path)
+        return je.EngramConfig(host_gather=path, host_threads=args.host_threads)
     if path == "gpu":
         note = "EngramConfig has no host_gather field: the [gpu] variants run the default config (the GPU's gather)"
         if note not in NOTES:
@@ -376,10 +380,21 @@ def run_size(table_gib: float, params, link_gbps):
                 try:
                     t = C.time_fn(fn, params, x, ids, rows, hbm, warmup=args.warmup, iters=args.iters)
                     row.update(ms=_ms(t), p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
+                    # the same steps back to back (a training loop): host-side costs overlap the device's work
+                    tb = C.time_back_to_back(fn, params, x, ids, rows, hbm, steps=args.iters, warmup=1,
+                                             iters=max(3, args.iters // 2))
+                    row.update(b2b_ms=_ms(tb))
+                    base[(mode, v, "b2b")] = row["b2b_ms"]
+                    if args.profile:
+                        tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
+                        with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
+                            for _ in range(3):
+                                jax.block_until_ready(fn(params, x, ids, rows, hbm))
                     base[(mode, v)] = row["ms"]
                 except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                say(f"T={T} {mode} {v}: " + (f"{row['ms']:.3f} ms" if "ms" in row else row["error"]))
+                say(f"T={T} {mode} {v}: " + (f"{row['ms']:.3f} ms per call, {row['b2b_ms']:.3f} ms back to back"
+                                             if "ms" in row else row["error"]))
                 rows_out.append(row)
         for row in rows_out:
             if row["T"] != T or "ms" not in row:
@@ -387,6 +402,8 @@ def run_size(table_gib: float, params, link_gbps):
             for ref in ("resident", "none"):
                 b = base.get((row["mode"], ref))
                 row[f"vs_{ref}_pct"] = 100.0 * (row["ms"] / b - 1.0) if b else None
+                b = base.get((row["mode"], ref, "b2b"))
+                row[f"b2b_vs_{ref}_pct"] = 100.0 * (row["b2b_ms"] / b - 1.0) if b and row.get("b2b_ms") else None
         # each path's fetch alone, at this T
         for kind, path in (("lookup", "gpu"), ("lookup", "cpu"), ("take_hbm", "")):
             name = f"{kind}[{path}]" if path else kind

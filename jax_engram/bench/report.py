@@ -299,6 +299,8 @@ def model_rows(res: dict) -> list[dict]:
             d[f"{col} ms"] = r["ms"]
             d[f"{col} vs res"] = r.get("vs_resident_pct")
             d[f"{col} vs none"] = r.get("vs_none_pct")
+            d[f"{col} b2b ms"] = r.get("b2b_ms")
+            d[f"{col} b2b vs res"] = r.get("b2b_vs_resident_pct")
         else:
             d[f"{col} ms"] = None
             d["skipped"] = "skipped" if r.get("skipped") else "error"
@@ -322,13 +324,17 @@ def model_table(res: dict) -> str:
     for c in cols_seen:
         cols += [(f"{c} ms", f"{c} ms", ".2f"), (f"{c} vs res", "vs resident %", "+.1f"),
                  (f"{c} vs none", "vs none %", "+.1f")]
+        if any(r.get("b2b_ms") is not None for r in res.get("steps", []) if f"T{r['T']} {r['mode']}" == c):
+            cols += [(f"{c} b2b ms", "back to back ms", ".2f"), (f"{c} b2b vs res", "vs resident %", "+.1f")]
     cols.append(("skipped", "", None))
     tinfo = res.get("tables") or [{}]
     title = (f"Engram in a model step: {res.get('ranks')} ranks, {env.get('device_kind')} ({env.get('backend')}), "
              f"jax {env.get('jax')}; {cfg.get('layers')} layers, hidden {cfg.get('hidden')}, Engram at "
              f"{cfg.get('engram_layers')}, E={cfg.get('E')}, {cfg.get('row_dtype')} rows of {cfg.get('row_bytes')} B, "
              f"{len(cfg.get('engram_layers') or [])} host tables of {tinfo[0].get('rows_per_table')} rows")
-    out = [render_table(model_rows(res), cols, title)]
+    out = [render_table(model_rows(res), cols, title),
+           "(ms: one call timed to its end; back to back: calls enqueued while the previous one runs, as a training "
+           "loop runs them)"]
     fetch = [dict(r, note=r.get("skipped") or r.get("error") or "") for r in res.get("fetch", [])]
     if fetch:
         h2d = (res.get("ceilings") or {}).get("h2d_gbps")
