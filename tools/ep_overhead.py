@@ -18,6 +18,8 @@ from _ep_setup import E, setup
 
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 50
+if n < 10:
+    raise SystemExit(f"ep_overhead: n = {n} calls; at least 10 (variant (b) runs them 10 per loop iteration)")
 mesh, ctx, R, tk, x = setup(M)
 tk, x = tk.reshape(R * M, -1), x.reshape(R * M, -1)
 xs = jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, P("ep")))
