@@ -400,11 +400,15 @@ class Context:
                       config: EPConfig | None = None) -> str:
         """How ``dispatch`` of this config moves x's rows on this context: ``"copy engine (P pieces)"`` (CUDA:
         the whole x is copied into every peer's inbox by the copy engine and every receiver lays out the peers' tokens
-        itself), ``"SM stores"`` (CUDA) or ``"pull (CPU)"``. The same on every rank. ``config``: the op's EPConfig
+        itself), ``"SM stores"`` (CUDA), ``"pull (CPU)"``, or ``"local (one rank)"`` (the one-rank path: a permutation
+        in plain JAX, ``EPConfig.one_rank``). The same on every rank. ``config``: the op's EPConfig
         (default: the context's; its ``dispatch_copy_engine`` decides). This is the decision the op itself makes at
         trace time and passes to the kernel; it does not depend on the layout (expand or not). For benchmarks and
         diagnosis; it does not change the results."""
         cfg = self.ep_config if config is None else _ep_config(config, "Context.dispatch_path: config")
+        from jax_engram import _ep_local
+        if _ep_local.applies(self, cfg):
+            return "local (one rank)"
         pieces = self._copy_pieces(int(max_tokens_per_rank), int(hidden_bytes), int(topk), int(num_experts), cfg)
         if self.platform != "gpu":
             return "pull (CPU)"

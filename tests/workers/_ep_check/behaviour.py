@@ -52,7 +52,7 @@ def _config_check(ctx):
     a, b = local(f_default(x, idx)), local(f_cfg(x, idx))
     same = sorted(a) == sorted(b) and all(np.array_equal(a[r].view(np.uint16), b[r].view(np.uint16)) for r in a)
     path = ctx.dispatch_path(max_tokens_per_rank=M, hidden_bytes=H * 2, topk=K, num_experts=E, config=cfg)
-    want_path = "pull (CPU)" if ctx.platform == "cpu" else "SM stores"
+    want_path = "local (one rank)" if LOCAL else "pull (CPU)" if ctx.platform == "cpu" else "SM stores"
     return same and path == want_path, f"path={path}, same results: {same}"
 
 
