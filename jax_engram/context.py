@@ -51,6 +51,23 @@ def _align(n: int, a: int = SEGMENT_ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 
 
+def _wait_for_tables(ctx) -> None:
+    """Blocks until the ``*_global`` calls of the context's live Engram tables are done: JAX runs them
+    asynchronously, and an enqueued ``lookup_global`` / ``write_global`` still needs the context that ``close``
+    tears down. Their failures are theirs to report (reading their results raises); after an op of the context
+    failed nothing is waited for (a dead peer would hold every wait for ``timeout_s``)."""
+    tables = list(getattr(ctx, "_tables", ()))
+    if not tables or (hasattr(ctx, "errors") and ctx.errors()):
+        return
+    for t in tables:
+        tok = getattr(t, "_token", None)
+        if tok is not None:
+            try:
+                jax.block_until_ready(tok)
+            except Exception:  # noqa: BLE001 - close never raises; the call's own results carry its error
+                pass
+
+
 class JaxEngramError(RuntimeError):
     """An error reported by a jax_engram op on the device (timeout, invalid routing, ...).
 
@@ -204,6 +221,7 @@ class Context:
         self._alloc_ids = itertools.count(0)
         self._allocs: dict[int, list[tuple[int, int]]] = {}
         self._regions: dict[Any, Region] = {}
+        self._tables: "weakref.WeakSet" = weakref.WeakSet()  # EngramTables of this context (close waits for them)
         self._closed = False
         self.nccl: dict[int, dict] = {}
         self._created: list[Member] = []
@@ -457,9 +475,12 @@ class Context:
         self._created = []
 
     def close(self) -> None:
-        """Collective: wait for this context's device work, then free its windows and communicators. After an op
-        of the context failed on this process (``ctx.errors()``, e.g. a peer that died) it frees everything without
-        meeting the peers, so it does not wait for a dead one.
+        """Collective: wait for this context's device work, then free its windows and communicators. It waits for
+        the ``*_global`` calls of the context's Engram tables (JAX runs them asynchronously, so their results may be
+        read after close) and for the ops already running; a jitted call of your own that JAX has queued but not
+        started fails with "context ... is closing" (block on its results before closing to keep them). After an
+        op of the context failed on this process (``ctx.errors()``, e.g. a peer that died) it frees everything
+        without meeting the peers, so it does not wait for a dead one.
 
         With ``cuda_graphs=True`` it also clears JAX's compilation caches (``jax.clear_caches()``): a CUDA graph
         replays its kernels without running any handler, so an executable that captured this context's ops would
@@ -468,6 +489,7 @@ class Context:
         covered: do not call it after close.)"""
         if self._closed:
             return
+        _wait_for_tables(self)
         self._closed = True
         if self.cuda_graphs and self.platform != "cpu":
             jax.clear_caches()
@@ -598,6 +620,7 @@ class HierContext:
         self.cuda_graphs = self.inner.cuda_graphs
         self.id = self.inner.id
         self.device_bytes, self.host_bytes = self.inner.device_bytes, self.inner.host_bytes
+        self._tables: "weakref.WeakSet" = weakref.WeakSet()  # EngramTables of this context (close waits for them)
         self._inter_node_path, self._gin_reason = _scaleout_gin.probe(self)
 
     # The node axis as jax.lax collectives take it (a name or a tuple of names).
@@ -637,6 +660,7 @@ class HierContext:
                                   "(ctx.inner); barrier / ring_exchange need a flat context")
 
     def close(self) -> None:
+        _wait_for_tables(self)
         self.inner.close()
 
     def __enter__(self) -> "HierContext":

@@ -239,6 +239,7 @@ class EngramTable:
         self.sf_nbytes = self.total_entries * self.num_sf_packs * 4
         self._token = None  # chain of the *_global calls (write -> lookups -> write ...)
         self._global_fns: dict = {}
+        ctx._tables.add(self)  # ctx.close() waits for the chain
         self._hier: _scaleout.HierEngram | None = None
         if isinstance(ctx, HierContext):  # a ("node", "gpu") group: the rows live in per-node inner tables
             inner = EngramTable(num_entries, hidden, dtype, ctx=ctx.inner, placement=placement,

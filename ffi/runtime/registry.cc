@@ -35,17 +35,30 @@ Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t group, int3
 
 Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
   std::unique_ptr<Member> m;
+  // Every member of the context in this process stops first, not only this one: their handlers, kernels and host
+  // gather workers read the peers' allocations, this member's among them, which are freed below.
+  std::vector<Member*> same;
+  Member* raw = nullptr;
   {
     std::unique_lock lock(mu_);
     auto it = members_.find({ctx, ordinal});
     if (it == members_.end()) return {};
-    it->second->closing = true;
+    raw = it->second.get();
+    for (auto& [key, mm] : members_)
+      if (key.first == ctx) {
+        mm->closing = true;  // no new handler acquires it
+        same.push_back(mm.get());
+      }
   }
-  Member* raw = find(ctx, ordinal);
-  // No new handler can acquire the member now; wait (bounded) for those still executing.
-  for (int i = 0; raw->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
-  Status q = backend_->quiesce(*raw);
-  stop_host_gather(*raw);  // after the quiesce: a stream still waiting on a host gather's flags was released
+  // Wait (bounded) for the handlers still executing, then for the work they queued.
+  for (Member* x : same)
+    for (int i = 0; x->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
+  Status q;
+  for (Member* x : same) {
+    Status s = backend_->quiesce(*x);
+    if (x == raw) q = s;
+    stop_host_gather(*x);  // after the quiesce: a stream still waiting on a host gather's flags was released
+  }
   {
     std::unique_lock lock(mu_);
     auto it = members_.find({ctx, ordinal});
