@@ -130,12 +130,23 @@ def _inner_tokens(cfg, fwd_topk):
     li, _, rank_of_slot = _slots(valid, onode, oloc, node, g.num_scaleup_ranks, S)   # [Nn,N,K], [Nn,N,S]
     mine = (li[..., None, :] == rank_of_slot[..., :, None]) & (rank_of_slot[..., :, None] >= 0)  # [Nn,N,S,K]
     itopk = jnp.where(mine, (fwd_topk - node * node_experts)[..., None, :], -1)
-    # Routing the flat op refuses (an id >= num_experts, a duplicate expert) must fail on every node: such a
-    # token carries an invalid node-local id to every node's intra-node dispatch.
-    srt = jnp.sort(jnp.where(fwd_topk >= 0, fwd_topk, -1 - jnp.arange(K, dtype=jnp.int32)), axis=-1)
-    bad = jnp.any(fwd_topk >= cfg.num_experts, axis=-1) | jnp.any(srt[..., 1:] == srt[..., :-1], axis=-1)
-    first = (jnp.arange(S)[:, None] == 0) & (jnp.arange(K)[None, :] == 0)
-    itopk = jnp.where(bad[..., None, None], jnp.where(first, node_experts, -1), itopk)
+    # Routing the flat op refuses must fail on every node, as the same kind of error: a token whose first bad entry
+    # (in k order, as the op checks) is an id outside [-1, num_experts) carries an out-of-range node-local id to
+    # every node's intra-node dispatch, one whose first bad entry repeats an expert carries node-local expert 0
+    # twice.
+    E = cfg.num_experts
+    in_range = (fwd_topk >= 0) & (fwd_topk < E)
+    earlier = jnp.arange(K)[None, :] < jnp.arange(K)[:, None]                                  # [k, j]: j < k
+    dup = in_range & jnp.any((fwd_topk[..., :, None] == fwd_topk[..., None, :]) & earlier & in_range[..., None, :],
+                             axis=-1)
+    bad_k = (fwd_topk >= E) | (fwd_topk < -1) | dup
+    bad = jnp.any(bad_k, axis=-1)
+    first_dup = jnp.take_along_axis(dup, jnp.argmax(bad_k, axis=-1)[..., None], axis=-1)[..., 0]
+    s0 = jnp.arange(S)[:, None] == 0
+    as_range = jnp.where(s0 & (jnp.arange(K)[None, :] == 0), node_experts, -1)               # [S, K]
+    as_dup = jnp.where(s0 & (jnp.arange(K)[None, :] < 2), 0, -1)
+    forced = jnp.where(first_dup[..., None, None], as_dup, as_range)
+    itopk = jnp.where(bad[..., None, None], forced, itopk)
     return itopk.reshape(g.inner_max_tokens, K).astype(jnp.int32)
 
 

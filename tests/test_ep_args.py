@@ -67,5 +67,13 @@ def test_every_case_is_checked(result):
     assert set(result["cases"]) == set(NEEDLES)
 
 
+@pytest.mark.parametrize("case,kind", [("below_minus_one", "holds expert id"), ("at_num_experts", "holds expert id"),
+                                       ("duplicate", "lists expert")])
+def test_bad_routing_found_by_the_op_fails_on_both_group_shapes(result, case, kind):
+    """Without validate_routing the op itself finds bad routing and fails the call (the context is then unusable)
+    on a flat group and on a ("node", "gpu") group alike; an id below -1 is not taken for padding on either."""
+    assert result["kernel_routing"][case] == {"flat": kind, "hier": kind}, result["kernel_routing"]
+
+
 def test_contexts_stay_usable_after_the_refusals(result):
     assert result["usable"] == {"flat": True, "hier": True}

@@ -129,6 +129,30 @@ def routing_error(ctx, mesh, axes, duplicate):
     return "no error"
 
 
+def kernel_routing_error(mesh, axes, value):
+    """Bad routing without validate_routing (found by the op itself, on a fresh context: it leaves the context
+    unusable): rank 2, token 3, k 1 holds ``value`` ("dup": token 3 lists expert 0 twice). Returns the call's
+    message up to the numbers (the ("node", "gpu") path reports its intra-node op's numbers) or "no error"."""
+    ctx = je.init(mesh, axes, timeout_s=60.0)
+    try:
+        spec = P(axes)
+        x = np.ones((R * M, H), np.float32).astype(jnp.bfloat16)
+        idx = np.tile(np.array([[0, 5]], np.int32), (R * M, 1))
+        idx[2 * M + 3, 1] = 0 if value == "dup" else value
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        f = jax.jit(jax.shard_map(lambda x, i: good_dispatch(ctx, x, i).recv_x, mesh=mesh, in_specs=(spec, spec),
+                                  out_specs=spec))
+        try:
+            jax.block_until_ready(f(put(x), put(idx)))
+        except Exception as e:  # noqa: BLE001 - XLA's runtime error carrying ours
+            m = re.search(r"jax_engram ep dispatch on rank \d+ of context \d+ [^:]*: topk_idx of [^,]*, token \d+, "
+                          r"(holds expert id|lists expert)", str(e))
+            return m.group(1) if m else f"unexpected: {e}"
+        return "no error"
+    finally:
+        ctx.close()
+
+
 def still_usable(ctx, mesh, axes):
     """A good dispatch + combine after the refusals: bit-exact round trip of every routed row."""
     spec = P(axes)
@@ -169,4 +193,8 @@ for group, (mesh, axes) in GROUPS.items():
         usable[group] = still_usable(ctx, mesh, axes)
     finally:
         ctx.close()
-print("RESULT " + json.dumps({"cases": cases, "usable": usable}), flush=True)
+kernel_routing: dict[str, dict[str, str]] = {}
+for group, (mesh, axes) in GROUPS.items():
+    for name, value in (("below_minus_one", -7), ("at_num_experts", E), ("duplicate", "dup")):
+        kernel_routing.setdefault(name, {})[group] = kernel_routing_error(mesh, axes, value)
+print("RESULT " + json.dumps({"cases": cases, "usable": usable, "kernel_routing": kernel_routing}), flush=True)
