@@ -478,7 +478,8 @@ class Context:
         """Collective: wait for this context's device work, then free its windows and communicators. It waits for
         the ``*_global`` calls of the context's Engram tables (JAX runs them asynchronously, so their results may be
         read after close) and for the ops already running; a jitted call of your own that JAX has queued but not
-        started fails with "context ... is closing" (block on its results before closing to keep them). After an
+        started fails with "context ... is closing" (or "no jax_engram context ... (closed, ...)" once close has
+        returned): block on its results before closing to keep them. After an
         op of the context failed on this process (``ctx.errors()``, e.g. a peer that died) it frees everything
         without meeting the peers, so it does not wait for a dead one.
 
