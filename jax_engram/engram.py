@@ -646,7 +646,15 @@ class EngramTable:
         return data, (sf if self.num_sf_packs else None)
 
     def free(self) -> None:
-        """Give the table's memory back to the context (collective, like construction)."""
+        """Give the table's memory back to the context (collective, like construction). It first waits for the
+        table's ``*_global`` calls (JAX runs them asynchronously). Free a table only after your own jitted calls
+        that read or write it are done (block on their results): a call JAX still has queued when the memory is
+        freed may crash the process."""
+        if self._token is not None and not self.ctx._closed:
+            try:
+                jax.block_until_ready(self._token)
+            except Exception:  # noqa: BLE001 - the call's own results carry its error
+                pass
         if self._hier is not None:
             self._hier.free()
             self.region = self.sf_region = None

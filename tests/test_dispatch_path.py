@@ -146,12 +146,14 @@ rows = rng.standard_normal((2 << 13, 256)).astype(np.float32)
 tab = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement="device")
 tab.write_global(rows)
 sets = [rng.integers(-1, 2 << 13, (1024, 24)).astype(np.int32) for _ in range(12)]
-if sys.argv[1] == "global":
+if sys.argv[1] in ("global", "free"):
     outs = [tab.lookup_global(ids)[0] for ids in sets]
 else:  # the user's own jitted lookups (each rank its half of the ids)
     f = jax.jit(jax.shard_map(lambda i: tab.wait(tab.fetch(i))[0], mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     sh = jax.sharding.NamedSharding(mesh, P("ep"))
     outs = [f(jax.device_put(ids, sh)) for ids in sets]
+if sys.argv[1] == "free":
+    tab.free()  # waits for the table's global calls, like close
 ctx.close()
 for ids, got in zip(sets, outs):
     want = np.where(ids[..., None] >= 0, rows[np.maximum(ids, 0)], 0).reshape(ids.shape[0], -1)
@@ -163,21 +165,21 @@ for ids, got in zip(sets, outs):
 
 
 def test_close_with_enqueued_work_waits_or_fails_cleanly():
-    """Two ranks in one process, calls enqueued and not waited for, then close(): the *_global calls are waited for
-    (every result right); the user's own jitted calls either ran or fail naming the op and the closing context --
+    """Two ranks in one process, calls enqueued and not waited for, then close() (or the table's free(), then
+    close()): the *_global calls are waited for (every result right); the user's own jitted calls either ran or fail naming the op and the closing context --
     never a crash (close stops every local member of the context before freeing any: their handlers read each
     other's windows)."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    for mode in ("global", "user"):
+    for mode in ("global", "free", "user"):
         p = subprocess.run([sys.executable, "-c", _CLOSE_RACE, mode], capture_output=True, text=True, timeout=300,
                            env=env)
         assert p.returncode == 0, (mode, p.returncode, p.stdout[-2000:], p.stderr[-3000:])
         lines = p.stdout.splitlines()
         assert len(lines) == 12, (mode, p.stdout)
-        if mode == "global":
+        if mode in ("global", "free"):
             assert all(l == "OK" for l in lines), lines
         else:
             # the call ran, or it failed naming the op and the closing (or, once close returned, closed) context
