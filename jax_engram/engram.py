@@ -647,9 +647,9 @@ class EngramTable:
 
     def free(self) -> None:
         """Give the table's memory back to the context (collective, like construction). It first waits for the
-        table's ``*_global`` calls (JAX runs them asynchronously). Free a table only after your own jitted calls
-        that read or write it are done (block on their results): a call JAX still has queued when the memory is
-        freed may crash the process."""
+        table's ``*_global`` calls (JAX runs them asynchronously) and for the ops already running; a jitted call of
+        your own that JAX has queued but not started fails naming the freed memory (block on its results before
+        freeing to keep them). The context stays usable."""
         if self._token is not None and not self.ctx._closed:
             try:
                 jax.block_until_ready(self._token)

@@ -148,12 +148,18 @@ tab.write_global(rows)
 sets = [rng.integers(-1, 2 << 13, (1024, 24)).astype(np.int32) for _ in range(12)]
 if sys.argv[1] in ("global", "free"):
     outs = [tab.lookup_global(ids)[0] for ids in sets]
-else:  # the user's own jitted lookups (each rank its half of the ids)
+else:  # "user" / "user_free": the user's own jitted lookups (each rank its half of the ids)
     f = jax.jit(jax.shard_map(lambda i: tab.wait(tab.fetch(i))[0], mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     sh = jax.sharding.NamedSharding(mesh, P("ep"))
     outs = [f(jax.device_put(ids, sh)) for ids in sets]
-if sys.argv[1] == "free":
-    tab.free()  # waits for the table's global calls, like close
+if sys.argv[1] in ("free", "user_free"):
+    tab.free()  # waits for the table's global calls, like close; a queued user call that starts later fails
+if sys.argv[1] == "user_free":  # the context stays usable: a new table, written and read
+    t2 = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement="device")
+    t2.write_global(rows)
+    d, _ = t2.lookup_global(sets[0])
+    print("AFTER", np.array_equal(np.asarray(d), np.where(sets[0][..., None] >= 0, rows[np.maximum(sets[0], 0)], 0)
+                                  .reshape(sets[0].shape[0], -1)), flush=True)
 ctx.close()
 for ids, got in zip(sets, outs):
     want = np.where(ids[..., None] >= 0, rows[np.maximum(ids, 0)], 0).reshape(ids.shape[0], -1)
@@ -166,22 +172,28 @@ for ids, got in zip(sets, outs):
 
 def test_close_with_enqueued_work_waits_or_fails_cleanly():
     """Two ranks in one process, calls enqueued and not waited for, then close() (or the table's free(), then
-    close()): the *_global calls are waited for (every result right); the user's own jitted calls either ran or fail naming the op and the closing context --
-    never a crash (close stops every local member of the context before freeing any: their handlers read each
-    other's windows)."""
+    close()): the *_global calls are waited for (every result right); the user's own jitted calls either ran or
+    fail naming the op and the closing context, or the freed memory -- never a crash (close and free stop every
+    local member's use of the memory before freeing any of it: their handlers read each other's windows), and the
+    context stays usable after such a free."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    for mode in ("global", "free", "user"):
+    for mode in ("global", "free", "user", "user_free"):
         p = subprocess.run([sys.executable, "-c", _CLOSE_RACE, mode], capture_output=True, text=True, timeout=300,
                            env=env)
         assert p.returncode == 0, (mode, p.returncode, p.stdout[-2000:], p.stderr[-3000:])
         lines = p.stdout.splitlines()
+        if mode == "user_free":
+            assert lines[0] == "AFTER True", (mode, p.stdout)
+            lines = lines[1:]
         assert len(lines) == 12, (mode, p.stdout)
         if mode in ("global", "free"):
             assert all(l == "OK" for l in lines), lines
-        else:
+        elif mode == "user":
             # the call ran, or it failed naming the op and the closing (or, once close returned, closed) context
             assert all(l == "OK" or ("jax_engram engram" in l and ("is closing" in l or "(closed" in l))
                        for l in lines), lines
+        else:  # the memory was freed under a queued call: it fails naming the freed allocation
+            assert all(l == "OK" or ("jax_engram engram" in l and "its memory was freed" in l) for l in lines), lines

@@ -80,8 +80,10 @@ inline constexpr const char* kPeerUnreachable =
 inline ffi::Error check_region(Member& m, int64_t alloc_id, int64_t offset, uint64_t bytes, int32_t op,
                                Allocation** out) {
   Allocation* a = m.alloc(alloc_id);
-  if (!a) return op_error(op, "allocation " + std::to_string(alloc_id) + " does not exist on this member",
-                          ffi::ErrorCode::kFailedPrecondition);
+  if (!a)
+    return op_error(op, "allocation " + std::to_string(alloc_id) + " of " + m.label + " does not exist: its memory "
+                            "was freed (EngramTable.free / a released region) before this call ran, or never made",
+                    ffi::ErrorCode::kFailedPrecondition);
   if (offset < 0 || static_cast<uint64_t>(offset) + bytes > a->total_bytes)
     return op_error(op, "region [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
                             ") exceeds allocation of " + std::to_string(a->total_bytes) + " bytes");

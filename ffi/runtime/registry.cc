@@ -65,11 +65,13 @@ Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
     m = std::move(it->second);
     members_.erase(it);
   }
-  for (auto& [id, a] : m->allocs) {
-    backend_->close_exports(*m, *a);
-    backend_->free_alloc(*m, *a);
+  for (auto* table : {&m->allocs, &m->retired}) {
+    for (auto& [id, a] : *table) {
+      backend_->close_exports(*m, *a);
+      backend_->free_alloc(*m, *a);
+    }
+    table->clear();
   }
-  m->allocs.clear();
   backend_->destroy_member(*m);
   return q;
 }
@@ -90,6 +92,7 @@ Status Registry::create_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id, co
   if (!st.empty()) return st;
   *out = a->exported;
   std::unique_lock lock(mu_);
+  std::lock_guard<std::mutex> lk(m->allocs_mu);
   if (m->allocs.count(alloc_id)) return "allocation id already used";
   m->allocs[alloc_id] = std::move(a);
   return {};
@@ -115,14 +118,42 @@ Status Registry::close_exports(int64_t ctx, int32_t ordinal, int64_t alloc_id) {
 Status Registry::free_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id) {
   Member* m = find(ctx, ordinal);
   if (!m) return {};
-  Status q = backend_->quiesce(*m);
+  // The first free of an allocation id takes it out of every local member of the context (their handlers read
+  // each other's allocations, and a handler queued later then fails naming it), waits for the handlers still
+  // executing and for the work they queued, and only then frees; the members' later calls free their own parts.
+  std::vector<Member*> same;
+  bool first = false;
+  {
+    std::unique_lock lock(mu_);
+    for (auto& [key, mm] : members_) {
+      if (key.first != ctx) continue;
+      same.push_back(mm.get());
+      std::lock_guard<std::mutex> lk(mm->allocs_mu);
+      auto it = mm->allocs.find(alloc_id);
+      if (it != mm->allocs.end()) {
+        mm->retired[alloc_id] = std::move(it->second);
+        mm->allocs.erase(it);
+        first = true;
+      }
+    }
+  }
+  Status q;
+  if (first) {
+    for (Member* x : same)  // bounded: a handler waits for its peers at most the context's timeout
+      for (int i = 0; x->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
+    for (Member* x : same) {
+      Status s = backend_->quiesce(*x);
+      if (x == m) q = s;
+    }
+  }
   std::unique_ptr<Allocation> a;
   {
     std::unique_lock lock(mu_);
-    auto it = m->allocs.find(alloc_id);
-    if (it == m->allocs.end()) return {};
+    std::lock_guard<std::mutex> lk(m->allocs_mu);
+    auto it = m->retired.find(alloc_id);
+    if (it == m->retired.end()) return q;
     a = std::move(it->second);
-    m->allocs.erase(it);
+    m->retired.erase(it);
   }
   backend_->close_exports(*m, *a);
   backend_->free_alloc(*m, *a);

@@ -84,7 +84,11 @@ struct Member {
   std::string label;         // for messages, e.g. "context 3 (axis 'ep', group 0)"
   ErrorRecord* error_host = nullptr;    // host-readable error record
   ErrorRecord* error_device = nullptr;  // same record as seen by kernels
-  std::map<int64_t, std::unique_ptr<Allocation>> allocs;  // id 0 = the context window
+  std::map<int64_t, std::unique_ptr<Allocation>> allocs;  // id 0 = the context window; guarded by allocs_mu
+  // Allocations being freed: out of `allocs` (no new handler finds them) until the handlers and device work that
+  // may still read them are done (Registry::free_alloc).
+  std::map<int64_t, std::unique_ptr<Allocation>> retired;
+  mutable std::mutex allocs_mu;
   std::atomic<int> inflight{0};         // handlers currently executing on this member
   std::atomic<bool> closing{false};
   std::shared_ptr<void> backend_state;  // streams, NCCL communicator, ...
@@ -96,6 +100,7 @@ struct Member {
 
   uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
   Allocation* alloc(int64_t id) {
+    std::lock_guard<std::mutex> lk(allocs_mu);
     auto it = allocs.find(id);
     return it == allocs.end() ? nullptr : it->second.get();
   }
