@@ -649,12 +649,15 @@ class EngramTable:
         """Give the table's memory back to the context (collective, like construction). It first waits for the
         table's ``*_global`` calls (JAX runs them asynchronously) and for the ops already running; a jitted call of
         your own that JAX has queued but not started fails naming the freed memory (block on its results before
-        freeing to keep them). The context stays usable."""
+        freeing to keep them). The context stays usable. With ``cuda_graphs=True`` it clears JAX's compilation
+        caches, as ``Context.close`` does: a captured graph replays its kernels without a handler to refuse them."""
         if self._token is not None and not self.ctx._closed:
             try:
                 jax.block_until_ready(self._token)
             except Exception:  # noqa: BLE001 - the call's own results carry its error
                 pass
+        if self.ctx.cuda_graphs and self.ctx.platform != "cpu" and not self.ctx._closed:
+            jax.clear_caches()
         if self._hier is not None:
             self._hier.free()
             self.region = self.sf_region = None
