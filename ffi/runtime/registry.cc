@@ -33,6 +33,18 @@ Status Registry::create_member(int64_t ctx, int32_t ordinal, int32_t group, int3
   return {};
 }
 
+Status Registry::drain(const std::vector<Member*>& same, const Member* report, bool stop_gathers) {
+  for (Member* x : same)  // bounded: a handler waits for its peers at most the context's timeout
+    for (int i = 0; x->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
+  Status q;
+  for (Member* x : same) {
+    Status s = backend_->quiesce(*x);
+    if (x == report) q = s;
+    if (stop_gathers) stop_host_gather(*x);  // after the quiesce: a stream waiting on a gather's flags was released
+  }
+  return q;
+}
+
 Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
   std::unique_ptr<Member> m;
   // Every member of the context in this process stops first, not only this one: their handlers, kernels and host
@@ -50,15 +62,7 @@ Status Registry::destroy_member(int64_t ctx, int32_t ordinal) {
         same.push_back(mm.get());
       }
   }
-  // Wait (bounded) for the handlers still executing, then for the work they queued.
-  for (Member* x : same)
-    for (int i = 0; x->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
-  Status q;
-  for (Member* x : same) {
-    Status s = backend_->quiesce(*x);
-    if (x == raw) q = s;
-    stop_host_gather(*x);  // after the quiesce: a stream still waiting on a host gather's flags was released
-  }
+  Status q = drain(same, raw, true);
   {
     std::unique_lock lock(mu_);
     auto it = members_.find({ctx, ordinal});
@@ -137,15 +141,7 @@ Status Registry::free_alloc(int64_t ctx, int32_t ordinal, int64_t alloc_id) {
       }
     }
   }
-  Status q;
-  if (first) {
-    for (Member* x : same)  // bounded: a handler waits for its peers at most the context's timeout
-      for (int i = 0; x->inflight.load() > 0 && i < 20 * 60 * 1000; ++i) usleep(50);
-    for (Member* x : same) {
-      Status s = backend_->quiesce(*x);
-      if (x == m) q = s;
-    }
-  }
+  const Status q = first ? drain(same, m, false) : Status{};
   std::unique_ptr<Allocation> a;
   {
     std::unique_lock lock(mu_);

@@ -156,6 +156,11 @@ class Registry {
   std::shared_mutex& mutex() { return mu_; }
 
  private:
+  // Waits (bounded) until no handler executes on any of `same` (members of one context in this process: their
+  // handlers read each other's allocations), then for the work they queued; `stop_gathers`: also joins their host
+  // gather pools. Returns `report`'s quiesce status.
+  Status drain(const std::vector<Member*>& same, const Member* report, bool stop_gathers);
+
   std::unique_ptr<Backend> backend_;
   std::shared_mutex mu_;
   std::map<std::pair<int64_t, int32_t>, std::unique_ptr<Member>> members_;
