@@ -60,12 +60,7 @@ def _wait_for_tables(ctx) -> None:
     if not tables or (hasattr(ctx, "errors") and ctx.errors()):
         return
     for t in tables:
-        tok = getattr(t, "_token", None)
-        if tok is not None:
-            try:
-                jax.block_until_ready(tok)
-            except Exception:  # noqa: BLE001 - close never raises; the call's own results carry its error
-                pass
+        t._wait_global_calls()
 
 
 class JaxEngramError(RuntimeError):

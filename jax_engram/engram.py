@@ -645,17 +645,22 @@ class EngramTable:
         self._token = token
         return data, (sf if self.num_sf_packs else None)
 
+    def _wait_global_calls(self) -> None:
+        """Blocks until this table's ``*_global`` calls are done (their failures are theirs to report)."""
+        if self._token is not None:
+            try:
+                jax.block_until_ready(self._token)
+            except Exception:  # noqa: BLE001 - the call's own results carry its error; free / close never raise
+                pass
+
     def free(self) -> None:
         """Give the table's memory back to the context (collective, like construction). It first waits for the
         table's ``*_global`` calls (JAX runs them asynchronously) and for the ops already running; a jitted call of
         your own that JAX has queued but not started fails naming the freed memory (block on its results before
         freeing to keep them). The context stays usable. With ``cuda_graphs=True`` it clears JAX's compilation
         caches, as ``Context.close`` does: a captured graph replays its kernels without a handler to refuse them."""
-        if self._token is not None and not self.ctx._closed:
-            try:
-                jax.block_until_ready(self._token)
-            except Exception:  # noqa: BLE001 - the call's own results carry its error
-                pass
+        if not self.ctx._closed:
+            self._wait_global_calls()
         if self.ctx.cuda_graphs and self.ctx.platform != "cpu" and not self.ctx._closed:
             jax.clear_caches()
         if self._hier is not None:
