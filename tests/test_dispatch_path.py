@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
 import jax
 import jax.numpy as jnp
@@ -134,18 +135,21 @@ def test_close_waits_for_enqueued_global_calls():
 _CLOSE_RACE = r"""
 import sys
 import jax
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 2)
+PLATFORM, PLACEMENT = sys.argv[2], sys.argv[3]
+if PLATFORM == "cpu":  # two ranks in this process; on a GPU, the one device
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import jax_engram as je
-mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+N = len(jax.devices())
+mesh = jax.make_mesh((N,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
 ctx = je.init(mesh, "ep")
 rng = np.random.default_rng(1)
-rows = rng.standard_normal((2 << 13, 256)).astype(np.float32)
-tab = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement="device")
+rows = rng.standard_normal((N << 13, 256)).astype(np.float32)
+tab = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement=PLACEMENT)
 tab.write_global(rows)
-sets = [rng.integers(-1, 2 << 13, (1024, 24)).astype(np.int32) for _ in range(12)]
+sets = [rng.integers(-1, N << 13, (1024, 24)).astype(np.int32) for _ in range(12)]
 if sys.argv[1] in ("global", "free"):
     outs = [tab.lookup_global(ids)[0] for ids in sets]
 else:  # "user" / "user_free": the user's own jitted lookups (each rank its half of the ids)
@@ -155,7 +159,7 @@ else:  # "user" / "user_free": the user's own jitted lookups (each rank its half
 if sys.argv[1] in ("free", "user_free"):
     tab.free()  # waits for the table's global calls, like close; a queued user call that starts later fails
 if sys.argv[1] == "user_free":  # the context stays usable: a new table, written and read
-    t2 = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement="device")
+    t2 = je.EngramTable(1 << 13, 256, jnp.float32, ctx=ctx, placement=PLACEMENT)
     t2.write_global(rows)
     d, _ = t2.lookup_global(sets[0])
     print("AFTER", np.array_equal(np.asarray(d), np.where(sets[0][..., None] >= 0, rows[np.maximum(sets[0], 0)], 0)
@@ -176,13 +180,27 @@ def test_close_with_enqueued_work_waits_or_fails_cleanly():
     fail naming the op and the closing context, or the freed memory -- never a crash (close and free stop every
     local member's use of the memory before freeing any of it: their handlers read each other's windows), and the
     context stays usable after such a free."""
+    _close_race("cpu", "device")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_close_with_enqueued_work_waits_or_fails_cleanly_gpu(placement):
+    """The same on one GPU (one rank): close() and free() drain the member's streams (and the host path's
+    workers) before the memory goes."""
+    _close_race("cuda", placement)
+
+
+def _close_race(platform: str, placement: str):
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if platform == "cuda":
+        env["JAX_PLATFORMS"] = "cuda"
     for mode in ("global", "free", "user", "user_free"):
-        p = subprocess.run([sys.executable, "-c", _CLOSE_RACE, mode], capture_output=True, text=True, timeout=300,
-                           env=env)
+        p = subprocess.run([sys.executable, "-c", _CLOSE_RACE, mode, platform, placement], capture_output=True,
+                           text=True, timeout=300, env=env)
         assert p.returncode == 0, (mode, p.returncode, p.stdout[-2000:], p.stderr[-3000:])
         lines = p.stdout.splitlines()
         if mode == "user_free":

@@ -69,9 +69,9 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
                       ffi::ErrorCode::kOutOfRange);
     }
   }
-  // The member's host gather pool (the same workers and routine as the CUDA host-table path): rows in work items
-  // of ~kHostGatherItemBytes pulled by the workers, the scale factors by the last one; this thread waits, bounded
-  // by the context timeout. A worker failure fails this op (the context stays usable: nothing is recorded).
+  // The member's host gather pool (the same workers and routine as the CUDA host-table path): rows and their scale
+  // factors in work items (engram::host_gather_plan) pulled by the workers and by this thread, which then waits,
+  // bounded by the context timeout. A worker failure fails this op (the context stays usable: nothing is recorded).
   auto job = std::make_shared<HostGatherJob>();
   cpu::EngramGather& g = job->g;
   g.ids = ids;
@@ -89,12 +89,15 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
   g.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
   job->peers = a->peers;
   job->n = T * E;
-  job->item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / std::max<int64_t>(at.row_bytes, 1), 1);
   job->sf = sf_table != nullptr && P > 0;
   job->fail = m.host_gather_fail_next.exchange(false);
-  HostGatherPool* pool =
-      HostGatherPool::of(m, at.host_threads > 0 ? static_cast<int>(at.host_threads) : host_gather_default_threads(false));
+  const int threads = at.host_threads > 0 ? static_cast<int>(at.host_threads) : host_gather_default_threads(false);
+  const engram::HostGatherPlan plan = engram::host_gather_plan(job->n, at.row_bytes, threads);
+  job->item_rows = plan.item_rows;
+  job->chunk_items = plan.chunk_items;
+  HostGatherPool* pool = HostGatherPool::of(m, threads);
   pool->submit(job);
+  HostGatherPool::help(*job, job->num_items());
   if (!job->wait(m.timeout_s)) {
     job->abandon("timed out");  // items not yet started are skipped
     return op_error(kOpEngramFetch,

@@ -66,6 +66,7 @@ void HostGatherJob::run_item(int64_t item) {
         throw std::runtime_error("injected failure (test hook _test_fail_next_host_gather)");
       const int64_t b = item * item_rows, e = std::min(n, b + item_rows);
       const int64_t bad = cpu::engram_gather_rows(g, b, e);
+      if (sf) cpu::engram_gather_sf_range(g, b, e);
       if (bad >= 0) {
         int64_t cur = bad_.load(std::memory_order_relaxed);
         while (bad < cur && !bad_.compare_exchange_weak(cur, bad, std::memory_order_acq_rel)) {
@@ -85,9 +86,9 @@ void HostGatherJob::run_item(int64_t item) {
 void HostGatherJob::finish() {
   if (!failed()) {
     try {
-      if (sf) cpu::engram_gather_sf(g);
+      if (sf) cpu::engram_zero_sf_padding(g);
     } catch (const std::exception& ex) {
-      set_failed(std::string("the host gather of the scale factors failed: ") + ex.what());
+      set_failed(std::string("zeroing the scale factors' padding failed: ") + ex.what());
     }
   }
   if (status) {
@@ -174,6 +175,7 @@ void HostGatherPool::submit(std::shared_ptr<HostGatherJob> job) {
     }
   }
   job->set_failed("the host gather pool of " + label_ + " is stopped (the context is closing)");
+  job->next_.store(job->num_items());  // nothing left to pull (help)
   job->done_items_.store(job->num_items());
   job->finish();
 }
@@ -184,16 +186,27 @@ void HostGatherPool::worker() {
     cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopped and drained
     std::shared_ptr<HostGatherJob> job = queue_.front();
-    const int64_t item = job->next_.fetch_add(1, std::memory_order_relaxed);
-    if (item >= job->num_items()) {
-      if (!queue_.empty() && queue_.front() == job) queue_.pop_front();
-      continue;
-    }
-    if (item + 1 == job->num_items()) queue_.pop_front();  // the last item is taken: the next job may start
     lk.unlock();
-    job->run_item(item);
+    // Items are claimed without the pool's lock: one atomic increment each.
+    for (int64_t item; (item = job->next_.fetch_add(1, std::memory_order_relaxed)) < job->num_items();)
+      job->run_item(item);
     lk.lock();
+    if (!queue_.empty() && queue_.front() == job) queue_.pop_front();  // every item is taken: the next job may start
   }
+}
+
+int64_t HostGatherPool::help(HostGatherJob& job, int64_t limit) {
+  limit = std::min(limit, job.num_items());
+  int64_t ran = 0;
+  int64_t item = job.next_.load(std::memory_order_relaxed);
+  while (item < limit) {
+    if (job.next_.compare_exchange_weak(item, item + 1, std::memory_order_relaxed)) {
+      job.run_item(item);
+      ++ran;
+      item = job.next_.load(std::memory_order_relaxed);
+    }
+  }
+  return ran;
 }
 
 void HostGatherPool::stop() {
@@ -301,7 +314,7 @@ HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t 
     job->g.out = static_cast<uint8_t*>(out);
     job->peers = {peer};
     job->n = num_rows;
-    job->item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / row_bytes, 1);
+    job->item_rows = engram::host_gather_plan(num_rows, row_bytes, threads).item_rows;
     job->chunk_items = 1;
     const auto t0 = std::chrono::steady_clock::now();
     pool.submit(job);

@@ -4,9 +4,10 @@
 // Lifecycle: created at the member's first host gather (HostGatherPool::of), joined when the member is destroyed
 // (Registry::destroy_member -> stop_host_gather, after the backend's quiesce: queued jobs still run to the end, so
 // a stream waiting on their flags is released), never detached. Threads are named "je-hostgather".
-// Jobs: a fetch's rows cut into work items (item_rows rows) that the workers pull in order; items form chunks
-// (chunk_items items) whose completion is published by a flag store (flags[c] = seq), and when every item is done
-// the finisher writes the status word and the scale factors, runs on_done and publishes flags[num_chunks] = seq.
+// Jobs: a fetch's rows cut into work items (item_rows rows, engram::host_gather_plan) that the workers pull in
+// order, each item with its rows' scale factors; items form chunks (chunk_items items) whose completion is published
+// by a flag store (flags[c] = seq), and when every item is done the finisher writes the status word, runs on_done and
+// publishes flags[num_chunks] = seq. The thread that submits a job may pull items too (HostGatherPool::help).
 // A failing item (an exception inside a worker, or the test hook) marks the job failed; every flag is still set,
 // so nothing waiting on them hangs, and the failure is reported by the job's owner (error / on_done).
 #pragma once
@@ -36,7 +37,7 @@ struct HostGatherJob {
   uint32_t seq = 0;                    // the whole job done -> flags[num_chunks()] = seq
   int32_t* status = nullptr;           // written by the finisher (checked: first bad position or kNoBadPosition;
                                        // else 0); nullptr: none
-  bool sf = false;                     // the finisher gathers the scale factors (g.sf_table host-readable)
+  bool sf = false;                     // the items gather the scale factors too (g.sf_table host-readable)
   bool fail = false;                   // test hook: item 0 throws inside its worker
   std::function<void(HostGatherJob&)> on_done;  // run by the finisher before the last flag (failed() is final)
 
@@ -81,6 +82,9 @@ class HostGatherPool {
   // Queues a job (returns at once; safe from a CUDA host function: no CUDA call, no blocking beyond a mutex).
   // A stopped pool finishes the job at once as failed (flags set).
   void submit(std::shared_ptr<HostGatherJob> job);
+  // The calling thread pulls items of a submitted job, as a worker does, while items below `limit` are left (it
+  // is awake already, the workers are still waking). Returns the number of items it ran.
+  static int64_t help(HostGatherJob& job, int64_t limit);
   // Adds workers up to `threads` (no-op once stopped).
   void grow(int threads);
   // Runs every queued job to the end and joins the workers.

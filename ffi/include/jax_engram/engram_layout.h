@@ -94,9 +94,39 @@ inline constexpr int32_t kMaxBlocksPerSm = 64;
 enum HostGather : int32_t { kHostGatherGpu = 0, kHostGatherCpu = 1 };
 inline constexpr int64_t kHostGatherGpuMaxShardBytes = int64_t{1} << 30;
 inline constexpr int32_t kMaxHostThreads = 256;
-// Work item of a host gather (rows pulled by one worker at a time) and flagged chunk (one host->GPU copy each).
+// Work item of a host gather (rows pulled by one worker at a time) and flagged chunk (one host->GPU copy each), at
+// most these sizes.
 inline constexpr int64_t kHostGatherItemBytes = int64_t{128} << 10;
 inline constexpr int64_t kHostGatherChunkBytes = int64_t{2} << 20;
+// Small gathers (a decode step's few MiB) use smaller pieces, down to these sizes: workers wake one after another,
+// so every worker should find kHostGatherItemsPerThread items to pull (the first awake take more), and the copy
+// engine should start after the first of at least kHostGatherMinChunks chunks rather than after the whole gather.
+inline constexpr int64_t kHostGatherMinItemBytes = int64_t{16} << 10;
+inline constexpr int64_t kHostGatherItemsPerThread = 8;
+inline constexpr int64_t kHostGatherMinChunkBytes = int64_t{256} << 10;
+inline constexpr int64_t kHostGatherMinChunks = 4;
+
+// How one host gather of n rows of row_bytes by `threads` workers is cut: item_rows rows per work item,
+// chunk_items items per flagged chunk.
+struct HostGatherPlan {
+  int64_t item_rows = 1, chunk_items = 1;
+};
+JE_HD HostGatherPlan host_gather_plan(int64_t n, int64_t row_bytes, int64_t threads) {
+  const int64_t rb = row_bytes > 0 ? row_bytes : 1;
+  const int64_t bytes = (n > 0 ? n : 0) * rb;
+  const int64_t per = bytes / ((threads > 0 ? threads : 1) * kHostGatherItemsPerThread);
+  const int64_t item_bytes = per < kHostGatherMinItemBytes ? kHostGatherMinItemBytes
+                             : per > kHostGatherItemBytes  ? kHostGatherItemBytes
+                                                           : per;
+  HostGatherPlan p;
+  p.item_rows = item_bytes / rb > 0 ? item_bytes / rb : 1;
+  const int64_t share = bytes / kHostGatherMinChunks;
+  const int64_t chunk_bytes = share < kHostGatherMinChunkBytes ? kHostGatherMinChunkBytes
+                              : share > kHostGatherChunkBytes  ? kHostGatherChunkBytes
+                                                               : share;
+  p.chunk_items = chunk_bytes / (p.item_rows * rb) > 0 ? chunk_bytes / (p.item_rows * rb) : 1;
+  return p;
+}
 
 // ---- bulk-copy (TMA) gather plan --------------------------------------------------------------------------
 // The output [T*E*row_bytes] is cut into `chunks` of `chunk_bytes` (the last one shorter). Every CTA runs

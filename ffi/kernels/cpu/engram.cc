@@ -105,14 +105,11 @@ int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end) {
   return first_bad;
 }
 
-void engram_gather_sf(const EngramGather& g) {
+void engram_gather_sf_range(const EngramGather& g, int64_t begin, int64_t end) {
   if (!g.sf_table || g.P == 0) return;
-  const int64_t n = g.T * g.E;
   const int64_t total = static_cast<int64_t>(g.nranks) * g.num_entries;
   const int64_t EP = g.E * g.P;
-  if (g.sf_layout == engram::kSfTmaColMajor)
-    std::memset(g.sf_out, 0, engram::sf_out_elems(g.T, EP, g.sf_layout) * sizeof(uint32_t));
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = begin; i < end; ++i) {
     bool oob = false;
     const int64_t id = engram::resolve_id(g.ids[i], total, g.mode, &oob);
     const int64_t t = i / g.E, e = i % g.E;
@@ -121,6 +118,19 @@ void engram_gather_sf(const EngramGather& g) {
       g.sf_out[engram::sf_out_index(t, j, g.T, EP, g.sf_layout)] = id < 0 ? 0u : g.sf_table[id * g.P + p];
     }
   }
+}
+
+void engram_zero_sf_padding(const EngramGather& g) {
+  if (!g.sf_table || g.P == 0 || g.sf_layout != engram::kSfTmaColMajor) return;
+  const int64_t cols = engram::sf_columns(g.T, g.sf_layout), EP = g.E * g.P;
+  if (cols == g.T) return;
+  for (int64_t j = 0; j < EP; ++j)
+    std::memset(g.sf_out + j * cols + g.T, 0, static_cast<size_t>(cols - g.T) * sizeof(uint32_t));
+}
+
+void engram_gather_sf(const EngramGather& g) {
+  engram_zero_sf_padding(g);
+  engram_gather_sf_range(g, 0, g.T * g.E);
 }
 
 void engram_gather(const EngramGather& g) {

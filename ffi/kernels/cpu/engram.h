@@ -35,6 +35,11 @@ int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end);
 
 // Gathers every scale factor of `g` (no-op without an sf table).
 void engram_gather_sf(const EngramGather& g);
+// The scale factors of flat positions [begin, end) only; with the col-major layout the padding columns
+// (engram_zero_sf_padding) are not touched.
+void engram_gather_sf_range(const EngramGather& g, int64_t begin, int64_t end);
+// Zeroes the col-major layout's padding columns t in [T, align(T, 4)) (no-op otherwise).
+void engram_zero_sf_padding(const EngramGather& g);
 
 // Gathers every row and sf of `g` on the calling thread.
 void engram_gather(const EngramGather& g);

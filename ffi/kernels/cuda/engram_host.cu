@@ -84,10 +84,13 @@ struct Post {
   double timeout_s;
 };
 
-// cudaLaunchHostFunc callback: queue the job (never a CUDA call here); the synchronous fallback waits for it.
+// cudaLaunchHostFunc callback: queue the job (never a CUDA call here), then gather items of the first chunk on this
+// thread while the workers wake: the stream waits for that chunk's flag next anyway, so returning later costs
+// nothing. The synchronous fallback helps with every item and waits for the job.
 void CUDART_CB post_job(void* arg) {
   std::unique_ptr<Post> p(static_cast<Post*>(arg));
   p->pool->submit(p->job);
+  HostGatherPool::help(*p->job, p->sync ? p->job->num_items() : p->job->chunk_items);
   if (p->sync && !p->job->wait(p->timeout_s)) p->job->abandon("timed out");
 }
 
@@ -101,9 +104,9 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   const int64_t total = static_cast<int64_t>(m.nranks) * a.num_entries;
   const bool sf_any = a.sf_table && a.P > 0;
   const int64_t sf_words = sf_any ? engram::sf_out_elems(a.T, a.E * a.P, a.sf_layout) : 0;
-  const int64_t item_rows = std::max<int64_t>(engram::kHostGatherItemBytes / std::max<int64_t>(rb, 1), 1);
-  const int64_t chunk_items =
-      std::max<int64_t>(engram::kHostGatherChunkBytes / std::max<int64_t>(item_rows * rb, 1), 1);
+  const int threads = a.threads > 0 ? a.threads : host_gather_default_threads(true);
+  const engram::HostGatherPlan plan = engram::host_gather_plan(n, rb, threads);
+  const int64_t item_rows = plan.item_rows, chunk_items = plan.chunk_items;
   const int64_t items = n == 0 ? 0 : (n + item_rows - 1) / item_rows;
   const int64_t chunks = items == 0 ? 0 : (items + chunk_items - 1) / chunk_items;
   const size_t flag_words = static_cast<size_t>(chunks + 2);  // chunks, done, status
@@ -155,24 +158,6 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     *what = "copying the ids to pinned memory";
     return e;
   }
-  // the scale factors: a small kernel (reads the ids on the device; independent of the rows)
-  if (sf_any) {
-    if (a.sf_layout == engram::kSfTmaColMajor &&
-        (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess) {
-      *what = "zeroing the sf result";
-      return e;
-    }
-    if (n) {
-      const int64_t work = n * a.P;
-      const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
-      sf_gather_kernel<<<blocks, 256, 0, stream>>>(a.ids, n, a.E, a.T, total, a.mode, a.sf_table, a.P, a.sf_layout,
-                                                   a.sf_out);
-      if ((e = cudaGetLastError()) != cudaSuccess) {
-        *what = "launching the scale-factor gather kernel";
-        return e;
-      }
-    }
-  }
   // 2. the job
   auto job = std::make_shared<HostGatherJob>();
   cpu::EngramGather& g = job->g;
@@ -201,13 +186,31 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   job->on_done = [rec, rank](HostGatherJob& j) {
     if (j.failed()) record_error(rec, kErrHostGather, kOpEngramFetch, rank, -1, 0, 0, 0, j.num_items());
   };
-  HostGatherPool* pool = HostGatherPool::of(m, a.threads > 0 ? a.threads : host_gather_default_threads(true),
-                                            st.host_numa_id);
+  HostGatherPool* pool = HostGatherPool::of(m, threads, st.host_numa_id);
   auto* post = new Post{pool, job, !gate, m.timeout_s};
   if ((e = cudaLaunchHostFunc(stream, post_job, post)) != cudaSuccess) {
     delete post;
     *what = "enqueuing the host gather (cudaLaunchHostFunc)";
     return e;
+  }
+  // the scale factors: a small kernel (reads the ids on the device; independent of the rows), after the host function
+  // so that it runs while the CPU gathers instead of delaying the gather's start
+  if (sf_any) {
+    if (a.sf_layout == engram::kSfTmaColMajor &&
+        (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess) {
+      *what = "zeroing the sf result";
+      return e;
+    }
+    if (n) {
+      const int64_t work = n * a.P;
+      const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
+      sf_gather_kernel<<<blocks, 256, 0, stream>>>(a.ids, n, a.E, a.T, total, a.mode, a.sf_table, a.P, a.sf_layout,
+                                                   a.sf_out);
+      if ((e = cudaGetLastError()) != cudaSuccess) {
+        *what = "launching the scale-factor gather kernel";
+        return e;
+      }
+    }
   }
   // 3. per chunk: wait for its flag, copy it
   const int64_t chunk_rows = item_rows * chunk_items;

@@ -5,11 +5,13 @@
 //
 // On `stream`, per fetch:
 //   1. copy of the ids into pinned memory (device -> host);
-//   2. a host function that only queues the job on the pool (no CUDA call, returns at once);
-//   3. per chunk of kHostGatherChunkBytes: cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device copy;
-//   4. after the last flag (set when every item and the status are done): the status word.
-// The scale factors (a few bytes per row) are gathered by a small GPU kernel from the replicated sf table, wherever
-// it lives; only they use SMs, the rows never do.
+//   2. a host function that queues the job on the pool (no CUDA call) and gathers items of the first chunk itself
+//      while the workers wake (the stream would wait for that chunk next anyway);
+//   3. the scale factors (a few bytes per row): a small GPU kernel reads them from the replicated sf table, wherever
+//      it lives, while the CPU gathers the rows; only it uses SMs, the rows never do;
+//   4. per chunk (engram::host_gather_plan): cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device
+//      copy;
+//   5. after the last flag (set when every item and the status are done): the status word.
 // Without cuStreamWaitValue32 the host function runs the whole gather synchronously and one copy follows.
 // Staging (rows, ids, flags, status) is pinned memory per (member, stream), grown on demand: a grow
 // synchronizes that stream once (warm-up only) and frees the old buffers. One job at a time per stream is safe by
