@@ -74,16 +74,18 @@ def test_init_close_and_failed_init_leak_nothing_cpu():
 def test_init_close_and_failed_init_leak_nothing_gpu():
     res = _result(_run("leak_check.py", "--platform", "cuda", "--cycles", "20", env={"CUDA_VISIBLE_DEVICES": "0"}))
     print("LEAK_COUNTS", json.dumps({k: res.get(k) for k in ("steady", "failed_init_leaks", "leaks", "new_threads")}))
-    # On CUDA the driver, NCCL and XLA start a native thread of their own (with its stack mappings) once, at a
-    # cycle that varies from run to run (seen: +1 OS thread and +4..5 mappings over 22 cycles, in the first or
-    # the second half). So the GPU check is per cycle: through the failed init nothing may grow, and over the
-    # last 10 cycles at most that one thread and its mappings (a leak per cycle would show 10).
+    # On CUDA the driver, NCCL and XLA start native threads of their own (with their stack mappings) once, at a
+    # cycle that varies from run to run (seen: +1 or +2 OS threads, named like the process, and +4..9 mappings
+    # over 22 cycles, in the first or the second half; ours are named je-*). So the GPU check is per cycle: through
+    # the failed init nothing may grow, and over the last 10 cycles at most one such thread and its mappings (a
+    # leak per cycle would show 10).
     for k in ("fds", "memfd_maps", "nvidia_maps", "py_threads", "os_threads", "listening_sockets"):
         assert res["failed_init_leaks"][k] == 0, f"{k} grew through the failed init: {res}"
     for k in ("fds", "memfd_maps", "nvidia_maps", "py_threads", "listening_sockets"):
         assert res["steady"][k] == 0, f"{k} grew over the last 10 cycles: {res}"
     assert res["steady"]["os_threads"] <= 1 and res["steady"]["maps"] <= 8, f"threads grew per cycle: {res}"
-    assert res["leaks"]["os_threads"] <= 1, f"more than one OS thread over 22 cycles: {res}"
+    assert res["leaks"]["os_threads"] <= 2, f"more than two OS threads over 22 cycles: {res}"
+    assert not [n for n in res["new_threads"] if n.startswith("je-")], f"a jax_engram thread outlived close: {res}"
     assert res["failed_init"], "a window of 2**50 bytes did not fail init"
     assert res["live_contexts"] == 0
     # VMM memory is not in /proc/self/maps: the GPU's free memory must come back (within 64 MiB of XLA noise).

@@ -61,7 +61,7 @@ def suite_errors(_ctx_unused):
             need = ep.dispatch_staging_bytes(R, Mb, K, E, 7168 * 2, 0, push=ctx.platform != "cpu")
             if need <= 1 << 20:  # one GPU rank: the push dispatch stages only its counts, which fit
                 f.trace(*spec)
-                return f"fits: {need} bytes"
+                return True, f"fits: {need} bytes"
             return expect_error(lambda: f.trace(*spec), "EP dispatch buffer", str(need), "device_bytes")
         finally:
             ctx.close()
