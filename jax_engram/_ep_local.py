@@ -68,7 +68,7 @@ def _guard(cfg, token, topk_idx=None, *, combine: bool):
     graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the kernels: the graph target where XLA may capture it
     token, checked = _call.call(ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
                                 [_call.like(token), _call.like(routing)], token, routing, input_output_aliases={0: 0},
-                                combine=combine, num_experts=cfg.num_experts)
+                                combine=combine, num_experts=cfg.num_experts, records=0)
     return token, (checked if topk_idx is not None else None)
 
 

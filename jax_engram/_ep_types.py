@@ -26,6 +26,8 @@ _layout = _ffi.native("cpu")
 MAX_TOPK: int = _layout.ep_limits["max_topk"]
 MAX_LOCAL_EXPERTS: int = _layout.ep_limits["max_local_experts"]
 MAX_EXPERTS: int = _layout.ep_limits["max_experts"]
+BAD_DUPLICATE_EXPERT: int = _layout.ep_bad_kinds["duplicate_expert"]  # EpBadKind of a routing record
+BAD_EXPERT_RANGE: int = _layout.ep_bad_kinds["expert_range"]
 
 
 def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:

@@ -71,8 +71,11 @@ def test_every_case_is_checked(result):
                                        ("duplicate", "lists expert")])
 def test_bad_routing_found_by_the_op_fails_on_both_group_shapes(result, case, kind):
     """Without validate_routing the op itself finds bad routing and fails the call (the context is then unusable)
-    on a flat group and on a ("node", "gpu") group alike; an id below -1 is not taken for padding on either."""
-    assert result["kernel_routing"][case] == {"flat": kind, "hier": kind}, result["kernel_routing"]
+    on a flat group and on a ("node", "gpu") group alike, with the same message in the group's global numbers
+    (rank 2, token 3); an id below -1 is not taken for padding on either."""
+    got = result["kernel_routing"][case]
+    assert got["flat"] == got["hier"], got
+    assert got["flat"].startswith("topk_idx of rank 2, token 3, " + kind), got
 
 
 def test_contexts_stay_usable_after_the_refusals(result):

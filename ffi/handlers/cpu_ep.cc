@@ -183,7 +183,8 @@ ffi::Error EpGuardCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk
   copy_token(token, *token_out);
   const int64_t N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
   if (N * K) std::memcpy(topk_out->untyped_data(), topk_idx.untyped_data(), sizeof(int32_t) * N * K);
-  if (!cpu::ep_guard(s.member(), static_cast<const int32_t*>(topk_idx.untyped_data()), N, K, at.num_experts))
+  const auto* topk = static_cast<const int32_t*>(topk_idx.untyped_data());
+  if (at.records ? !cpu::ep_guard_records(s.member(), topk, N - 1) : !cpu::ep_guard(s.member(), topk, N, K, at.num_experts))
     return finish(s, at.num_experts);
   return s.check_recorded();
 }

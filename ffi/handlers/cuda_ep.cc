@@ -315,6 +315,7 @@ ffi::Error EpGuardCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer toke
   p.token_out = static_cast<int32_t*>(token_out->untyped_data());
   p.err = m.error_device;
   p.rank = m.rank;
+  p.records = static_cast<int32_t>(at.records);
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
   JE_CHECK(note_capture(m, stream, kGraph, op, kCaptureGuard));

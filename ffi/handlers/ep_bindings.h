@@ -29,19 +29,25 @@ struct EpCombineAttrs {
   int64_t num_sms, stage_warps;  // CUDA only (0 = the defaults)
 };
 
-// Static attributes of the guard of the one-rank local path (jax_engram/_ep_local.py): the op it stands for
-// (combine 0: a dispatch, 1: a combine; the op its errors name) and the experts of the routing it checks.
+// Static attributes of the guard (jax_engram/_ep_local.py, _ep_hier.py): the op it stands for (combine 0: a
+// dispatch, 1: a combine; the op its errors name), the experts of the routing it checks, and what its topk_idx
+// operand holds: records 0: the routing [N, K] itself (the one-rank local path); records 1: the routing records of
+// a ("node", "gpu") group, [R + 1, 3]: row r = (kind, token, id) of global rank r's first bad entry (kind 0: none,
+// else an EpBadKind), the last row = (this rank's global rank, 0, 0) -- every rank then reports the same first
+// offender in the group's global numbers, as the flat dispatch kernel does.
 struct EpGuardAttrs {
   int64_t ctx_id;
   int64_t combine;
   int64_t num_experts;
+  int64_t records;
 };
 
 }  // namespace jax_engram
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EpGuardAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
-    ::xla::ffi::StructMember<int64_t>("combine"), ::xla::ffi::StructMember<int64_t>("num_experts"));
+    ::xla::ffi::StructMember<int64_t>("combine"), ::xla::ffi::StructMember<int64_t>("num_experts"),
+    ::xla::ffi::StructMember<int64_t>("records"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EpDispatchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),

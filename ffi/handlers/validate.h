@@ -268,6 +268,8 @@ inline ffi::Error check_combine(int32_t op, Member& m, const ffi::AnyBuffer& y, 
 inline ffi::Error guard_op(const EpGuardAttrs& at, int32_t* op) {
   if (at.combine != 0 && at.combine != 1)
     return op_error(kOpEpDispatch, "guard combine=" + std::to_string(at.combine) + " must be 0 or 1");
+  if (at.records != 0 && at.records != 1)
+    return op_error(kOpEpDispatch, "guard records=" + std::to_string(at.records) + " must be 0 or 1");
   *op = at.combine ? kOpEpCombine : kOpEpDispatch;
   return ffi::Error::Success();
 }
@@ -284,6 +286,8 @@ inline ffi::Error check_guard(int32_t op, const ffi::AnyBuffer& token, const ffi
   if (topk_idx.dimensions()[0] >= (int64_t{1} << 31))
     return op_error(op, "topk_idx must have fewer than 2^31 tokens, got " + shape_str(topk_idx));
   JE_CHECK(check(op, "topk_out", topk_out, {topk_idx.dimensions()[0], topk_idx.dimensions()[1]}, {DT::S32}));
+  if (at.records && (topk_idx.dimensions()[0] < 2 || topk_idx.dimensions()[1] != 3))
+    return op_error(op, "the routing records must be [R + 1, 3], got " + shape_str(topk_idx));
   if (at.num_experts <= 0 || at.num_experts > kEpMaxExperts)
     return op_error(op, "num_experts=" + std::to_string(at.num_experts) + " must be in [1, " +
                             std::to_string(kEpMaxExperts) + "]");

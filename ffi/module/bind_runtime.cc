@@ -70,6 +70,10 @@ void bind_runtime(nb::module_& m, const char* platform) {
     lim["max_copy_pieces"] = kEpCeMaxPieces;
     lim["max_stage_warps"] = kEpMaxStageWarps;
     m.attr("ep_limits") = lim;
+    nb::dict bad;  // EpBadKind: the kinds of a routing record (the guard's records = 1)
+    bad["duplicate_expert"] = static_cast<int>(kEpBadDuplicateExpert);
+    bad["expert_range"] = static_cast<int>(kEpBadExpertRange);
+    m.attr("ep_bad_kinds") = bad;
     nb::dict eg, modes, sf_layouts;
     modes["fill"] = static_cast<int>(engram::kModeFill);
     modes["clip"] = static_cast<int>(engram::kModeClip);

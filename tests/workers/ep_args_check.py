@@ -132,7 +132,7 @@ def routing_error(ctx, mesh, axes, duplicate):
 def kernel_routing_error(mesh, axes, value):
     """Bad routing without validate_routing (found by the op itself, on a fresh context: it leaves the context
     unusable): rank 2, token 3, k 1 holds ``value`` ("dup": token 3 lists expert 0 twice). Returns the call's
-    message up to the numbers (the ("node", "gpu") path reports its intra-node op's numbers) or "no error"."""
+    message from "topk_idx of" (the offender as "rank r", whichever rank raised first) or "no error"."""
     ctx = je.init(mesh, axes, timeout_s=60.0)
     try:
         spec = P(axes)
@@ -145,9 +145,9 @@ def kernel_routing_error(mesh, axes, value):
         try:
             jax.block_until_ready(f(put(x), put(idx)))
         except Exception as e:  # noqa: BLE001 - XLA's runtime error carrying ours
-            m = re.search(r"jax_engram ep dispatch on rank \d+ of context \d+ [^:]*: topk_idx of [^,]*, token \d+, "
-                          r"(holds expert id|lists expert)", str(e))
-            return m.group(1) if m else f"unexpected: {e}"
+            m = re.search(r"jax_engram ep dispatch on rank \d+ of context \d+ [^:]*: (topk_idx of [^,]*, token \d+, "
+                          r"(holds expert id|lists expert) [^(]*)", str(e))
+            return re.sub(r"this rank \((\d+)\)", r"rank \1", m.group(1)).strip() if m else f"unexpected: {e}"
         return "no error"
     finally:
         ctx.close()

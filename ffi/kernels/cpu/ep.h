@@ -80,6 +80,9 @@ struct EpCombineArgs {
 // order as ep_dispatch finds it, is recorded in the member's ErrorRecord as ep_dispatch records it; returns false
 // then. Touches nothing else (no window, no sequence).
 bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E);
+// The guard over a group's routing records (EpGuardAttrs records = 1): rec [R + 1, 3]. Records the first offender
+// (the smallest global rank with a bad entry) as this rank (rec[R][0]) would see a peer's bad routing; false then.
+bool ep_guard_records(Member& m, const int32_t* rec, int64_t R);
 
 // `region` is the staging allocation, `offset` the staging region's offset in it (same on every rank).
 bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatchArgs& a);

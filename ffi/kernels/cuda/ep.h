@@ -179,11 +179,13 @@ struct EpGuardParams {
   int32_t* token_out = nullptr;
   ErrorRecord* err = nullptr;      // the member's error record
   int32_t rank = 0;
+  int32_t records = 0;             // 1: topk is a group's routing records [N = R + 1, K = 3] (EpGuardAttrs)
 };
 
 // ONE CTA on `stream` copies topk to topk_out and records topk's first bad entry (an id outside [-1, E), a valid id
 // listed twice in a token: the same entry, found in the same order, and the same record as the dispatch kernel's
 // layout pass) in the member's error record; the next op's handler or ctx.check() reports it. No host sync.
+// With p.records: one thread copies the records and records the group's first offender (cpu::ep_guard_records).
 cudaError_t launch_ep_guard(const EpGuardParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.

@@ -5,7 +5,8 @@
 // (token << 6 | k) over all tokens is the first bad entry in (token, k) order, the entry the dispatch kernel
 // records; thread 0 records it exactly as the dispatch kernel records its own rank's bad entry (kErrBadInput,
 // kOpEpDispatch, peer = rank, observed = the id, detail = ep_bad_detail(token, kind)). The next op's handler or
-// ctx.check() reports it, as for the dispatch kernel.
+// ctx.check() reports it, as for the dispatch kernel. With records = 1 (a ("node", "gpu") group's routing records,
+// EpGuardAttrs) a single thread reports the group's first offender instead (records_kernel).
 //
 // One CTA so that "first" needs no grid-wide reduction (no scratch memory, no second launch): the ids of a round are
 // one load per thread, all in flight together, and the check is a few compares, so a round costs about one memory
@@ -61,6 +62,21 @@ __global__ void __launch_bounds__(guard_threads(kMaxK)) guard_kernel(const EpGua
   }
 }
 
+// A ("node", "gpu") group's routing records [R + 1, 3] (EpGuardAttrs records = 1): one thread copies them and
+// records the first rank's bad entry as this rank (the last row) reports a peer's, in global numbers.
+__global__ void records_kernel(const EpGuardParams p) {
+  if (p.token_out != p.token) *p.token_out = *p.token;
+  const int64_t R = p.N - 1;
+  for (int64_t i = 0; i < p.N * 3; ++i) p.topk_out[i] = p.topk[i];
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t kind = p.topk[r * 3];
+    if (kind == 0) continue;
+    cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.topk[R * 3], static_cast<int32_t>(r), 0,
+                              p.topk[r * 3 + 2], 0, ep_bad_detail(p.topk[r * 3 + 1], kind));
+    return;
+  }
+}
+
 template <int kMaxK>
 cudaError_t launch(const EpGuardParams& p, cudaStream_t stream) {
   guard_kernel<kMaxK><<<1, guard_threads(kMaxK), 0, stream>>>(p);
@@ -73,6 +89,11 @@ cudaError_t launch_ep_guard(const EpGuardParams& p, cudaStream_t stream) {
   if (p.K < 0 || p.K > kEpMaxTopk || p.N < 0 || p.N >= (int64_t{1} << 31) || !p.token || !p.token_out ||
       (p.N * p.K > 0 && (!p.topk || !p.topk_out)))
     return cudaErrorInvalidValue;
+  if (p.records) {
+    if (p.K != 3 || p.N < 2) return cudaErrorInvalidValue;
+    records_kernel<<<1, 1, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   if (p.K <= 1) return launch<1>(p, stream);
   if (p.K <= 2) return launch<2>(p, stream);
   if (p.K <= 4) return launch<4>(p, stream);
