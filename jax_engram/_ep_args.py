@@ -10,7 +10,6 @@ and check nothing again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -18,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_engram import _call
-from jax_engram._ep_types import (COMBINE_DTYPES, MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, SF_DTYPES, X_DTYPES,
-                                  DispatchConfig, EPHandle)
+from jax_engram._ep_types import (BAD_DUPLICATE_EXPERT, BAD_EXPERT_RANGE, COMBINE_DTYPES, MAX_EXPERTS,
+                                  MAX_LOCAL_EXPERTS, MAX_TOPK, SF_DTYPES, X_DTYPES, DispatchConfig, EPHandle)
 from jax_engram.config import EPConfig
-from jax_engram.context import JaxEngramError
 
 
 def dtype_in(dtype, choices) -> bool:
@@ -215,43 +213,50 @@ def combine_args(y, handle, *, topk_weights, bias, token) -> CombineArgs:
                        _check_token(handle.done if token is None else token))
 
 
-# ------------------------------------------------------------------------------------- validate_routing=True
-def routing_errors(topk_idx, num_experts: int, ctx):
-    """validate_routing=True: a float32 zero that the dispatch depends on, computed after every rank's topk_idx
-    (global expert ids) was checked on the device and the first offender of any rank reported to every rank's
-    host: a host callback raises there (on every rank) before the dispatch runs, so nothing is sent. Ranks are
-    the context's global ranks, whatever the shape of its group."""
-    topk_idx = _call.vary(topk_idx, ctx.axis_name)
+# ---------------------------------------------------------------------------------------------- routing records
+def routing_records(topk_idx, num_experts: int, ctx):
+    """The group's routing records, int32 [R + 1, 3] (ep_layout.h ep_first_offender): row r = (kind, token, id) of
+    global rank r's first bad entry of topk_idx in (token, k) order, as the dispatch kernels find it -- an id outside
+    [-1, num_experts) or a valid id an earlier k of its token holds (kind an EpBadKind; 0: none) -- gathered over
+    the group; the last row = (this rank's global rank, 0, 0). Ranks are the context's global ranks, whatever the
+    shape of its group."""
     N, K = topk_idx.shape
-    if N == 0:
-        rec = jnp.zeros((4,), topk_idx.dtype)
+    if N * K == 0:
+        rec = jnp.zeros((3,), jnp.int32)
     else:
-        out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
-        ordered = jnp.sort(topk_idx, axis=1)
-        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        oob_token, dup_token = jnp.any(out_of_range, axis=1), jnp.any(repeated, axis=1)
-        t = jnp.argmax(oob_token | dup_token)
-        oob_value = topk_idx[t, jnp.argmax(out_of_range[t])]
-        dup_value = ordered[t, 1:][jnp.argmax(repeated[t])] if K > 1 else oob_value
-        kind = jnp.where(oob_token[t], 1, jnp.where(dup_token[t], 2, 0))
-        rec = jnp.stack([kind.astype(topk_idx.dtype), t.astype(topk_idx.dtype),
-                         jnp.where(kind == 1, oob_value, dup_value), jnp.zeros((), topk_idx.dtype)])
-    _call.require_host_callbacks("dispatch(validate_routing=True)")
-    everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 4]: kind (0 = fine), token, value
-    zero = jax.pure_callback(functools.partial(_raise_routing, num_experts=num_experts),
-                             jax.ShapeDtypeStruct((), jnp.float32), everyone, jax.lax.axis_index(ctx.axis_name))
+        ids = topk_idx.astype(jnp.int32)
+        out_of_range = (ids < -1) | (ids >= num_experts)
+        earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [k, j]: j < k
+        repeated = jnp.any((ids[:, :, None] == ids[:, None, :]) & earlier[None], axis=2) & (ids >= 0)
+        bad = (out_of_range | repeated).reshape(-1)
+        f = jnp.argmax(bad)
+        kind = jnp.where(bad[f], jnp.where(out_of_range.reshape(-1)[f], BAD_EXPERT_RANGE, BAD_DUPLICATE_EXPERT), 0)
+        rec = jnp.stack([kind, f // K, ids.reshape(-1)[f]]).astype(jnp.int32)
+    everyone = jax.lax.all_gather(_call.vary(rec, ctx.axis_name), ctx.axis_name)  # [R, 3], by global rank
+    me = jax.lax.axis_index(ctx.axis_name).astype(jnp.int32)
+    return _call.vary(jnp.concatenate([everyone, jnp.stack([me, jnp.int32(0), jnp.int32(0)])[None]]),
+                      ctx.axis_name)
+
+
+def routing_guard(records, num_experts: int, ctx, guard_ctx, *, refuse: bool):
+    """The guard of ``guard_ctx`` (the context whose ops follow: the flat one, or a ("node", "gpu") group's inner
+    one) over ``records`` (``routing_records``). ``refuse`` (validate_routing=True): the call fails with the first
+    offender's message, nothing recorded, the context stays usable (on GPU the records are read on the host first);
+    else the first offender is recorded in the context as the flat dispatch kernel records bad routing. Returns
+    (a float32 zero that comes after the guard, the records as the guard copied them)."""
+    zero = _call.vary(jnp.zeros((), jnp.float32), ctx.axis_name)
+    graph = guard_ctx.cuda_graphs and guard_ctx.platform != "cpu"
+    zero, checked = _call.call(guard_ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
+                               [_call.like(zero), _call.like(records)], zero, records, input_output_aliases={0: 0},
+                               combine=False, num_experts=num_experts, records=2 if refuse else 1)
+    return zero, checked
+
+
+def routing_errors(topk_idx, num_experts: int, ctx, guard_ctx=None):
+    """validate_routing=True: a float32 zero that the dispatch depends on, computed after every rank's topk_idx
+    (global expert ids) was checked and the first offender of any rank refused on every rank (the op's own error,
+    raised by the call before anything is sent; the context stays usable). ``guard_ctx``: see ``routing_guard``
+    (default ``ctx``)."""
+    zero, _ = routing_guard(routing_records(topk_idx, num_experts, ctx), num_experts, ctx, guard_ctx or ctx,
+                            refuse=True)
     return jax.lax.stop_gradient(zero)
-
-
-def _raise_routing(everyone, rank, *, num_experts: int):
-    everyone = np.asarray(everyone)
-    for r, (kind, t, v, _) in enumerate(everyone.tolist()):
-        if kind:
-            who = f"rank {r} (this rank)" if r == int(np.asarray(rank)) else f"rank {r}"
-            what = (f"holds expert id {v} outside [-1, num_experts={num_experts})" if kind == 1
-                    else f"lists expert {v} more than once (duplicate expert ids within a token are illegal)")
-            raise JaxEngramError(
-                f"jax_engram dispatch (validate_routing=True): topk_idx of {who}, token {t}, {what}. Nothing was "
-                "sent and the context is still usable: fix the routing (mask invalid or repeated experts with -1) "
-                "and call again")
-    return np.zeros((), np.float32)

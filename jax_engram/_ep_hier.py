@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_engram import _call, _ep_autodiff, _ep_flat
-from jax_engram._ep_args import CombineArgs, DispatchArgs, combine_args, dispatch_args, routing_errors
-from jax_engram._ep_types import (BAD_DUPLICATE_EXPERT, BAD_EXPERT_RANGE, HANDLE_FIELDS, CombineResult, DispatchResult,
-                                  EPHandle, expand_rows)
+from jax_engram import _ep_autodiff, _ep_flat
+from jax_engram._ep_args import (CombineArgs, DispatchArgs, combine_args, dispatch_args, routing_errors, routing_guard,
+                                 routing_records)
+from jax_engram._ep_types import HANDLE_FIELDS, CombineResult, DispatchResult, EPHandle, expand_rows
 
 __all__ = ["HierEPHandle", "Geometry", "dispatch", "combine"]
 
@@ -324,34 +324,15 @@ def combine_impl(cfg, y, w, biases, h, token):
 
 # ---------------------------------------------------------------------------------------------- routing
 def _report_routing(topk_idx, num_experts: int, ctx, tok):
-    """Bad routing on a ("node", "gpu") group, in the group's global numbers: every rank's first bad entry
-    (token, k order, as the dispatch kernels find it) is gathered over the group and every rank's guard (on the inner context, ``records=1``)
-    records the first offender as the flat dispatch kernel does, so the call fails on every rank naming the same
-    global rank, token and id, and the context is then unusable as after the flat op's refusal. Where any rank's
-    routing is bad, every rank forwards none (all -1): the intra-node ops run on valid routing and nobody waits.
+    """Bad routing on a ("node", "gpu") group, in the group's global numbers: every rank's first bad entry is
+    gathered over the group (``routing_records``) and every rank's guard (on the inner context) records the first
+    offender as the flat dispatch kernel does, so the call fails on every rank naming the same global rank, token
+    and id, and the context is then unusable as after the flat op's refusal. Where any rank's routing is bad, every
+    rank forwards none (all -1): the intra-node ops run on valid routing and nobody waits.
     Returns (topk_idx to forward, tok after the guard)."""
-    N, K = topk_idx.shape
-    if N * K == 0:
-        rec = jnp.zeros((3,), jnp.int32)
-    else:
-        ids = topk_idx.astype(jnp.int32)
-        out_of_range = (ids < -1) | (ids >= num_experts)
-        earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [k, j]: j < k
-        repeated = jnp.any((ids[:, :, None] == ids[:, None, :]) & earlier[None], axis=2) & (ids >= 0)
-        bad = (out_of_range | repeated).reshape(-1)
-        f = jnp.argmax(bad)
-        kind = jnp.where(bad[f], jnp.where(out_of_range.reshape(-1)[f], BAD_EXPERT_RANGE, BAD_DUPLICATE_EXPERT), 0)
-        rec = jnp.stack([kind, f // K, ids.reshape(-1)[f]]).astype(jnp.int32)
-    everyone = jax.lax.all_gather(rec, ctx.axis_name)  # [R, 3], by global rank
-    me = jax.lax.axis_index(ctx.axis_name).astype(jnp.int32)
-    records = ctx.varying(jnp.concatenate([everyone, jnp.stack([me, jnp.int32(0), jnp.int32(0)])[None]]))
-    inner = ctx.inner
-    graph = inner.cuda_graphs and inner.platform != "cpu"
-    tok = ctx.varying(jax.lax.stop_gradient(tok))
-    tok, checked = _call.call(inner, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
-                              [_call.like(tok), _call.like(records)], tok, records, input_output_aliases={0: 0},
-                              combine=False, num_experts=num_experts, records=1)
-    return jnp.where(jnp.any(checked[:-1, 0] != 0), -1, topk_idx), tok
+    zero, checked = routing_guard(routing_records(topk_idx, num_experts, ctx), num_experts, ctx, ctx.inner,
+                                  refuse=False)
+    return jnp.where(jnp.any(checked[:-1, 0] != 0), -1, topk_idx), tok + jax.lax.stop_gradient(zero)
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -367,9 +348,10 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
     tok = vary(jnp.zeros((), jnp.float32) if args.token is None else args.token.astype(jnp.float32))
     if not args.cached:
         topk_idx = args.topk_idx
-        if args.validate_routing:  # the check over the whole group, then the dispatch
-            topk_idx = topk_idx + routing_errors(topk_idx, cfg.num_experts, cfg.ctx).astype(topk_idx.dtype)
-        topk_idx, tok = _report_routing(topk_idx, cfg.num_experts, cfg.ctx, tok)
+        if args.validate_routing:  # the check over the whole group refuses the call, then the dispatch
+            tok = tok + routing_errors(topk_idx, cfg.num_experts, cfg.ctx, cfg.ctx.inner)
+        else:
+            topk_idx, tok = _report_routing(topk_idx, cfg.num_experts, cfg.ctx, tok)
         recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf,
                                                               vary(topk_idx.astype(jnp.int32)), tok)
     else:

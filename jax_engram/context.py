@@ -96,7 +96,7 @@ def _forget_failed_executions(devices) -> None:
 
 class _OwnCallbackErrors(logging.Filter):
     """JAX logs every exception a host callback raises, with its traceback, before XLA fails the call with it. A
-    JaxEngramError raised by our callbacks (checked lookups, validate_routing) is the call's error, reported once
+    JaxEngramError raised by our callbacks (checked lookups) is the call's error, reported once
     by the call: drop JAX's log record of it."""
 
     def filter(self, record: logging.LogRecord) -> bool:

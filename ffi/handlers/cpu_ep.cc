@@ -184,6 +184,7 @@ ffi::Error EpGuardCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk
   const int64_t N = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
   if (N * K) std::memcpy(topk_out->untyped_data(), topk_idx.untyped_data(), sizeof(int32_t) * N * K);
   const auto* topk = static_cast<const int32_t*>(topk_idx.untyped_data());
+  if (at.records == 2) return refuse_routing(s.member(), topk, N - 1, at.num_experts);
   if (at.records ? !cpu::ep_guard_records(s.member(), topk, N - 1) : !cpu::ep_guard(s.member(), topk, N, K, at.num_experts))
     return finish(s, at.num_experts);
   return s.check_recorded();

@@ -319,6 +319,19 @@ ffi::Error EpGuardCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer toke
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(op, "cudaSetDevice", g.status());
   JE_CHECK(note_capture(m, stream, kGraph, op, kCaptureGuard));
+  if (at.records == 2) {  // validate_routing=True: the records are read back here (a host sync), then refused
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive)
+      return op_error(op, "dispatch(validate_routing=True) reads the routing on the host before anything is sent, "
+                          "which a captured CUDA graph cannot do: leave validate_routing off inside graphs",
+                      ffi::ErrorCode::kFailedPrecondition);
+    std::vector<int32_t> rec(static_cast<size_t>(p.N) * 3);
+    cudaError_t e = cudaMemcpyAsync(rec.data(), p.topk, rec.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) return cuda_failure(op, "reading the routing records (validate_routing=True)", e);
+    JE_CHECK(refuse_routing(m, rec.data(), p.N - 1, at.num_experts));
+    p.records = 1;  // fine: the records kernel copies them (and finds nothing to record)
+  }
   if (!kGraph && (p.N == 0 || p.K == 0) && p.token_out == p.token) return ffi::Error::Success();
   const cudaError_t e = launch_ep_guard(p, stream);
   if (e != cudaSuccess) return cuda_failure(op, "launching the guard kernel", e);

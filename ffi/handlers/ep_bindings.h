@@ -34,7 +34,9 @@ struct EpCombineAttrs {
 // operand holds: records 0: the routing [N, K] itself (the one-rank local path); records 1: the routing records of
 // a ("node", "gpu") group, [R + 1, 3]: row r = (kind, token, id) of global rank r's first bad entry (kind 0: none,
 // else an EpBadKind), the last row = (this rank's global rank, 0, 0) -- every rank then reports the same first
-// offender in the group's global numbers, as the flat dispatch kernel does.
+// offender in the group's global numbers, as the flat dispatch kernel does; records 2: the same records, and the
+// guard refuses the call with the first offender's message without recording anything (validate_routing=True:
+// the context stays usable; on CUDA the handler reads the records back, a host sync).
 struct EpGuardAttrs {
   int64_t ctx_id;
   int64_t combine;

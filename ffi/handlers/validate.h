@@ -268,10 +268,20 @@ inline ffi::Error check_combine(int32_t op, Member& m, const ffi::AnyBuffer& y, 
 inline ffi::Error guard_op(const EpGuardAttrs& at, int32_t* op) {
   if (at.combine != 0 && at.combine != 1)
     return op_error(kOpEpDispatch, "guard combine=" + std::to_string(at.combine) + " must be 0 or 1");
-  if (at.records != 0 && at.records != 1)
-    return op_error(kOpEpDispatch, "guard records=" + std::to_string(at.records) + " must be 0 or 1");
+  if (at.records < 0 || at.records > 2)
+    return op_error(kOpEpDispatch, "guard records=" + std::to_string(at.records) + " must be 0, 1 or 2");
   *op = at.combine ? kOpEpCombine : kOpEpDispatch;
   return ffi::Error::Success();
+}
+
+// validate_routing=True (the guard's records = 2): a group's routing records rec [R + 1, 3] (ep_first_offender),
+// on the host. The first offender refuses the call with its message; nothing is recorded (the context stays usable).
+inline ffi::Error refuse_routing(const Member& m, const int32_t* rec, int64_t R, int64_t num_experts) {
+  const int64_t r = ep_first_offender(rec, R);
+  if (r < 0) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    describe_routing_refusal(m, rec[R * 3], static_cast<int32_t>(r), rec[r * 3 + 1], rec[r * 3],
+                                             rec[r * 3 + 2], num_experts));
 }
 
 // Every buffer of a guard: the token, topk_idx [N, K] (int32, K <= 32) and its copy topk_out, num_experts as a

@@ -189,6 +189,20 @@ std::vector<Member*> Registry::members() {
   return out;
 }
 
+std::string describe_routing_refusal(const Member& m, int32_t rank, int32_t peer, int64_t token, int32_t kind,
+                                     int64_t id, int64_t num_experts) {
+  using std::to_string;
+  const std::string who = peer == rank ? "this rank (" + to_string(rank) + ")" : "rank " + to_string(peer);
+  std::string s = "jax_engram ep dispatch on rank " + to_string(rank) + " of " + m.label +
+                  " (validate_routing=True): topk_idx of " + who + ", token " + to_string(token) + ", ";
+  if (kind == kEpBadDuplicateExpert)
+    s += "lists expert " + to_string(id) + " more than once (duplicate expert ids within a token are illegal)";
+  else
+    s += "holds expert id " + to_string(id) + " outside [-1, num_experts=" + to_string(num_experts) + ")";
+  return s + ". Nothing was sent and the context is still usable: fix the routing (mask invalid or repeated experts "
+             "with -1) and call again";
+}
+
 // Plain string building: std::ostream number formatting crashed inside our module on the GPU image (locale
 // facets of another libstdc++ in the process), so no iostreams in any error path.
 std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_experts) {

@@ -170,6 +170,11 @@ class Registry {
 // makes EP range errors name the bound.
 std::string describe_error(const Member& m, const ErrorRecord& e, int64_t num_experts = -1);
 
+// The message of a dispatch that validate_routing=True refuses (nothing recorded): rank `rank` of m's context saw
+// global rank `peer`'s first bad entry (token, EpBadKind kind, id) in the group's gathered routing records.
+std::string describe_routing_refusal(const Member& m, int32_t rank, int32_t peer, int64_t token, int32_t kind,
+                                     int64_t id, int64_t num_experts);
+
 // First error wins. Safe from several host threads (device code uses its own atomics on the same layout).
 void record_error(ErrorRecord* rec, int32_t code, int32_t op, int32_t rank, int32_t peer, int64_t expected,
                   int64_t observed, int64_t elapsed_ns, int64_t detail);

@@ -122,10 +122,10 @@ def routing_error(ctx, mesh, axes, duplicate):
                               in_specs=(spec, spec), out_specs=spec))
     try:
         jax.block_until_ready(f(put(x), put(idx)))
-    except Exception as e:  # noqa: BLE001 - the host callback's error, wrapped by XLA
-        m = re.search(r"jax_engram dispatch \(validate_routing=True\): [^\n]*", str(e))
-        # which rank's callback surfaces first is up to the runtime: drop the "(this rank)" mark
-        return m.group(0).replace(" (this rank)", "") if m else f"unexpected: {e}"
+    except Exception as e:  # noqa: BLE001 - XLA's runtime error carrying ours
+        m = re.search(r"\(validate_routing=True\): (topk_idx of [^\n]*)", str(e))
+        # which rank's refusal surfaces first is up to the runtime: the offender as "rank r"
+        return re.sub(r"this rank \((\d+)\)", r"rank \1", m.group(1)) if m else f"unexpected: {e}"
     return "no error"
 
 

@@ -77,6 +77,15 @@ enum EpBadKind : int32_t {
 };
 JE_HD int64_t ep_bad_detail(int64_t token, int32_t kind) { return token * 64 + kind; }
 
+// Routing records of a group (the guard's records mode): rec [R + 1, 3], row r = (kind, token, id) of global rank r's
+// first bad entry (kind 0: none, else an EpBadKind), the last row = (the reading rank's global rank, 0, 0).
+// Returns the first offending rank, or -1.
+JE_HD int64_t ep_first_offender(const int32_t* rec, int64_t R) {
+  for (int64_t r = 0; r < R; ++r)
+    if (rec[r * 3] != 0) return r;
+  return -1;
+}
+
 // ----------------------------------------------------------------------------------------------------------
 // Static row counts and expand math.
 JE_HD int64_t ep_align(int64_t x, int64_t a) { return (x + a - 1) / a * a; }

@@ -97,15 +97,11 @@ bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E) {
 }
 
 bool ep_guard_records(Member& m, const int32_t* rec, int64_t R) {
-  const int32_t me = rec[R * 3];
-  for (int64_t r = 0; r < R; ++r) {
-    const int32_t kind = rec[r * 3], token = rec[r * 3 + 1], id = rec[r * 3 + 2];
-    if (kind == 0) continue;
-    record_error(m.error_host, kErrBadInput, kOpEpDispatch, me, static_cast<int32_t>(r), 0, id, 0,
-                 ep_bad_detail(token, kind));
-    return false;
-  }
-  return true;
+  const int64_t r = ep_first_offender(rec, R);
+  if (r < 0) return true;
+  record_error(m.error_host, kErrBadInput, kOpEpDispatch, rec[R * 3], static_cast<int32_t>(r), 0, rec[r * 3 + 2], 0,
+               ep_bad_detail(rec[r * 3 + 1], rec[r * 3]));
+  return false;
 }
 
 bool ep_dispatch(Member& m, Allocation& region, uint64_t offset, const EpDispatchArgs& a) {

@@ -68,13 +68,10 @@ __global__ void records_kernel(const EpGuardParams p) {
   if (p.token_out != p.token) *p.token_out = *p.token;
   const int64_t R = p.N - 1;
   for (int64_t i = 0; i < p.N * 3; ++i) p.topk_out[i] = p.topk[i];
-  for (int64_t r = 0; r < R; ++r) {
-    const int32_t kind = p.topk[r * 3];
-    if (kind == 0) continue;
+  const int64_t r = ep_first_offender(p.topk, R);
+  if (r >= 0)
     cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.topk[R * 3], static_cast<int32_t>(r), 0,
-                              p.topk[r * 3 + 2], 0, ep_bad_detail(p.topk[r * 3 + 1], kind));
-    return;
-  }
+                              p.topk[r * 3 + 2], 0, ep_bad_detail(p.topk[r * 3 + 1], p.topk[r * 3]));
 }
 
 template <int kMaxK>
