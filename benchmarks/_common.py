@@ -456,6 +456,15 @@ def close_quietly(ctx, shutdown: Callable[[], None]) -> None:
     shutdown()
 
 
+def shown_args(args) -> dict:
+    """The command-line arguments as a results file records them: ``--out`` by its file name (no machine paths in
+    committed results)."""
+    d = dict(vars(args))
+    if d.get("out"):
+        d["out"] = os.path.basename(d["out"])
+    return d
+
+
 def write_json(path: str, obj: Any) -> str:
     """Write ``obj`` as strict, indented JSON (numpy/jax values converted, NaN -> null)."""
     d = os.path.dirname(os.path.abspath(path))

@@ -475,7 +475,7 @@ def main():
     for line in summary["lines"]:
         say(line)
     if args.out and LEAD:
-        C.write_json(args.out, dict(env=info, args=vars(args), ranks=R, processes=jax.process_count(),
+        C.write_json(args.out, dict(env=info, args=C.shown_args(args), ranks=R, processes=jax.process_count(),
                                     ceilings=_strip(ceil), rows=rows, summary=summary))
         say(f"wrote {args.out}")
 
@@ -897,7 +897,7 @@ def main_overlap():
     for line in res["summary"]["lines"] + [f"  note: {n}" for n in res["notes"]]:
         say(line)
     if args.out and LEAD:
-        C.write_json(args.out, dict(env=info, args=vars(args), ranks=R, processes=jax.process_count(), **res))
+        C.write_json(args.out, dict(env=info, args=C.shown_args(args), ranks=R, processes=jax.process_count(), **res))
         say(f"wrote {args.out}")
 
 
@@ -1013,7 +1013,7 @@ def run_sizes():
         for r in mine:
             r["pct_own_best"] = min(100.0, 100 * r["gbps"] / best)  # the best row itself: exactly 100, not 100 + ulp
     summary = summarize_sizes(rows, paths, link, ceil)
-    return dict(env=info, args=dict(vars(args), out=os.path.basename(args.out) if args.out else None), ranks=R,
+    return dict(env=info, args=C.shown_args(args), ranks=R,
                 processes=jax.process_count(), ceilings=_strip(ceil), sizes=rows, notes=notes, summary=summary)
 
 
@@ -1075,7 +1075,7 @@ def run_procs():
 
 
 def main_sizes():
-    res = run_sizes() if args.sizes else dict(env=C.env_info(), args=vars(args), ranks=R, sizes=[], notes=[],
+    res = run_sizes() if args.sizes else dict(env=C.env_info(), args=C.shown_args(args), ranks=R, sizes=[], notes=[],
                                                summary=dict(lines=[]))
     if args.procs:
         procs, plines = run_procs()

@@ -450,7 +450,7 @@ def main():
         steps += a
         fetch += b
         tinfos.append(ti)
-    shown = dict(vars(args), out=os.path.basename(args.out) if args.out else None)  # no machine paths in the JSON
+    shown = C.shown_args(args)  # no machine paths in the JSON
     res = dict(env=info, args=shown, ranks=R, config=dict(layers=L, hidden=H, engram_layers=ELAYERS, E=E,
                row_dtype=args.row_dtype, row_bytes=FMT["row_bytes"], memory_width=M), tables=tinfos,
                ceilings=dict(h2d_gbps=link), steps=steps, fetch=fetch, notes=NOTES)

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
               + (f"{r['ragged_over_bare']:.2f}x" if r["ragged_over_bare"] else f"n/a ({r['ragged_error']})"),
               flush=True)
     if args.out:
-        C.write_json(args.out, dict(config=vars(args), env=C.env_info(), rows=rows))
+        C.write_json(args.out, dict(config=C.shown_args(args), env=C.env_info(), rows=rows))
     return 0
 
 
