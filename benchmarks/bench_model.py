@@ -86,6 +86,9 @@ ap.add_argument("--variants", default=",".join(VARIANTS))
 ap.add_argument("--modes", default="fwd,train")
 ap.add_argument("--iters", type=int, default=10)
 ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (T, mode) this many times, the "
+                "variants interleaved (A B C, A B C, ...), and report the median of the rounds: drift of the machine "
+                "over the run then falls on every variant alike")
 ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of the [cpu] variants "
                 "(0: the library's default)")
 ap.add_argument("--profile", default=None, help="also record 3 steps of every variant with jax.profiler into "
@@ -367,6 +370,7 @@ def run_size(table_gib: float, params, link_gbps):
         nbytes = len(ELAYERS) * T * E * FMT["row_bytes"]
         base = {}
         for mode in modes:
+            mode_rows, fns = [], {}
             for v in variants:
                 row = dict(variant=v, T=T, mode=mode, table_gib=tinfo["table_gib"], row_dtype=args.row_dtype)
                 fn = build(v, mode, tables, hbm, take_rows)
@@ -377,23 +381,43 @@ def run_size(table_gib: float, params, link_gbps):
                     continue
                 if v == "take_hbm" and tinfo["take_scaled"]:
                     row["note"] = f"HBM tables of {take_rows} rows (scaled down)"
-                try:
-                    t = C.time_fn(fn, params, x, ids, rows, hbm, warmup=args.warmup, iters=args.iters)
-                    row.update(ms=_ms(t), p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
-                    # the same steps back to back (a training loop): host-side costs overlap the device's work
-                    tb = C.time_back_to_back(fn, params, x, ids, rows, hbm, steps=args.iters, warmup=1,
-                                             iters=max(3, args.iters // 2))
-                    row.update(b2b_ms=_ms(tb))
-                    base[(mode, v, "b2b")] = row["b2b_ms"]
-                    if args.profile:
-                        tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
-                        with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
-                            for _ in range(3):
-                                jax.block_until_ready(fn(params, x, ids, rows, hbm))
+                mode_rows.append(row)
+                fns[v] = fn
+            samples = {v: ([], []) for v in fns}  # per round: per-call ms, back-to-back ms
+            for rnd in range(max(args.rounds, 1)):
+                for row in mode_rows:
+                    v = row["variant"]
+                    if "error" in row:
+                        continue
+                    fn = fns[v]
+                    try:
+                        t = C.time_fn(fn, params, x, ids, rows, hbm, warmup=args.warmup if rnd == 0 else 1,
+                                      iters=args.iters)
+                        samples[v][0].append(_ms(t))
+                        if rnd == 0:
+                            row.update(p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
+                        # the same steps back to back (a training loop): host-side costs overlap the device's work
+                        tb = C.time_back_to_back(fn, params, x, ids, rows, hbm, steps=args.iters, warmup=1,
+                                                 iters=max(3, args.iters // 2))
+                        samples[v][1].append(_ms(tb))
+                        if args.profile and rnd == 0:
+                            tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
+                            with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
+                                for _ in range(3):
+                                    jax.block_until_ready(fn(params, x, ids, rows, hbm))
+                    except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
+                        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            for row in mode_rows:
+                v = row["variant"]
+                if "error" not in row:
+                    per, b2b = samples[v]
+                    row.update(ms=float(np.median(per)), b2b_ms=float(np.median(b2b)))
+                    if len(per) > 1:
+                        row.update(rounds_ms=per, rounds_b2b_ms=b2b)
                     base[(mode, v)] = row["ms"]
-                except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
-                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    base[(mode, v, "b2b")] = row["b2b_ms"]
                 say(f"T={T} {mode} {v}: " + (f"{row['ms']:.3f} ms per call, {row['b2b_ms']:.3f} ms back to back"
+                                             + (f" (median of {len(samples[v][0])} rounds)" if args.rounds > 1 else "")
                                              if "ms" in row else row["error"]))
                 rows_out.append(row)
         for row in rows_out:
