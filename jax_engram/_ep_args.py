@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call
+from jax_engram import _call, _ep_local
 from jax_engram._ep_types import (BAD_DUPLICATE_EXPERT, BAD_EXPERT_RANGE, COMBINE_DTYPES, MAX_EXPERTS,
                                   MAX_LOCAL_EXPERTS, MAX_TOPK, SF_DTYPES, X_DTYPES, DispatchConfig, EPHandle)
 from jax_engram.config import EPConfig
@@ -245,11 +245,8 @@ def routing_guard(records, num_experts: int, ctx, guard_ctx, *, refuse: bool):
     else the first offender is recorded in the context as the flat dispatch kernel records bad routing. Returns
     (a float32 zero that comes after the guard, the records as the guard copied them)."""
     zero = _call.vary(jnp.zeros((), jnp.float32), ctx.axis_name)
-    graph = guard_ctx.cuda_graphs and guard_ctx.platform != "cpu"
-    zero, checked = _call.call(guard_ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
-                               [_call.like(zero), _call.like(records)], zero, records, input_output_aliases={0: 0},
-                               combine=False, num_experts=num_experts, records=2 if refuse else 1)
-    return zero, checked
+    return _ep_local.guard_call(guard_ctx, zero, records, combine=False, num_experts=num_experts,
+                                records=2 if refuse else 1)
 
 
 def routing_errors(topk_idx, num_experts: int, ctx, guard_ctx=None):

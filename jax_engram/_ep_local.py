@@ -65,11 +65,18 @@ def _guard(cfg, token, topk_idx=None, *, combine: bool):
     axes = ctx.axis_name
     token = _call.vary(token, axes)
     routing = _call.vary(topk_idx if topk_idx is not None else jnp.zeros((0, 0), jnp.int32), axes)
-    graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the kernels: the graph target where XLA may capture it
-    token, checked = _call.call(ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
-                                [_call.like(token), _call.like(routing)], token, routing, input_output_aliases={0: 0},
-                                combine=combine, num_experts=cfg.num_experts, records=0)
+    token, checked = guard_call(ctx, token, routing, combine=combine, num_experts=cfg.num_experts, records=0)
     return token, (checked if topk_idx is not None else None)
+
+
+def guard_call(ctx, token, operand, *, combine: bool, num_experts: int, records: int):
+    """The context's guard (``jax_engram_ep_guard``, EpGuardAttrs) over ``operand`` (a routing [N, K], or a
+    group's routing records with ``records`` 1 / 2); the token comes back in its own buffer. Returns (token, the
+    guard's copy of the operand)."""
+    graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the kernels: the graph target where XLA may capture it
+    return _call.call(ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
+                      [_call.like(token), _call.like(operand)], token, operand, input_output_aliases={0: 0},
+                      combine=combine, num_experts=num_experts, records=records)
 
 
 # ------------------------------------------------------------------------------------------------- pieces
