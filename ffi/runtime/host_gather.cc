@@ -79,7 +79,9 @@ void HostGatherJob::run_item(int64_t item) {
     }
   }
   const int64_t c = item / chunk_items;
-  if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) == 1 && flags) publish(flags + c, seq);
+  // The last chunk's flag is the finisher's (after the status word).
+  if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) == 1 && flags && c + 1 < num_chunks())
+    publish(flags + c, seq);
   if (done_items_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_items()) finish();
 }
 
@@ -97,9 +99,9 @@ void HostGatherJob::finish() {
   }
   if (on_done) on_done(*this);
   if (flags) {
-    for (int64_t c = 0; c < num_chunks(); ++c)  // already set unless an item never ran (a stopped pool)
+    // Set already unless an item never ran (a stopped pool); the last chunk's flag last of all.
+    for (int64_t c = 0; c < num_chunks(); ++c)
       if (__atomic_load_n(flags + c, __ATOMIC_ACQUIRE) != seq) publish(flags + c, seq);
-    publish(flags + num_chunks(), seq);
   }
   if (submit_ns_) {
     const int64_t end = now_ns(), start = start_ns_.load(std::memory_order_relaxed);

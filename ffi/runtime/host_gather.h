@@ -6,8 +6,9 @@
 // a stream waiting on their flags is released), never detached. Threads are named "je-hostgather".
 // Jobs: a fetch's rows cut into work items (item_rows rows, engram::host_gather_plan) that the workers pull in
 // order, each item with its rows' scale factors; items form chunks (chunk_items items) whose completion is published
-// by a flag store (flags[c] = seq), and when every item is done the finisher writes the status word, runs on_done and
-// publishes flags[num_chunks] = seq. The thread that submits a job may pull items too (HostGatherPool::help).
+// by a flag store (flags[c] = seq), except the last chunk's: when every item is done the finisher writes the status
+// word, runs on_done and then publishes the last chunk's flag, so that one wait for it covers the last rows and the
+// status. The thread that submits a job may pull items too (HostGatherPool::help).
 // A failing item (an exception inside a worker, or the test hook) marks the job failed; every flag is still set,
 // so nothing waiting on them hangs, and the failure is reported by the job's owner (error / on_done).
 #pragma once
@@ -33,8 +34,8 @@ struct HostGatherJob {
   int64_t n = 0;                       // rows: T*E
   int64_t item_rows = 1;               // rows per work item
   int64_t chunk_items = 1;             // items per flagged chunk
-  uint32_t* flags = nullptr;           // num_chunks() + 1 words (nullptr: none): chunk c done -> flags[c] = seq,
-  uint32_t seq = 0;                    // the whole job done -> flags[num_chunks()] = seq
+  uint32_t* flags = nullptr;           // num_chunks() words (nullptr: none): chunk c done -> flags[c] = seq; the
+  uint32_t seq = 0;                    // last chunk's once the whole job is done (status written, on_done run)
   int32_t* status = nullptr;           // written by the finisher (checked: first bad position or kNoBadPosition;
                                        // else 0); nullptr: none
   bool sf = false;                     // the items gather the scale factors too (g.sf_table host-readable)

@@ -101,10 +101,12 @@ inline constexpr int64_t kHostGatherChunkBytes = int64_t{2} << 20;
 // Small gathers (a decode step's few MiB) use smaller pieces, down to these sizes: workers wake one after another,
 // so every worker should find kHostGatherItemsPerThread items to pull (the first awake take more), and the copy
 // engine should start after the first of at least kHostGatherMinChunks chunks rather than after the whole gather.
+// Each chunk costs the launching thread two stream calls (a flag wait and a copy) inside the model's step, so a
+// small gather is cut into few chunks: two halves down to 512 KiB each.
 inline constexpr int64_t kHostGatherMinItemBytes = int64_t{16} << 10;
 inline constexpr int64_t kHostGatherItemsPerThread = 8;
-inline constexpr int64_t kHostGatherMinChunkBytes = int64_t{256} << 10;
-inline constexpr int64_t kHostGatherMinChunks = 4;
+inline constexpr int64_t kHostGatherMinChunkBytes = int64_t{512} << 10;
+inline constexpr int64_t kHostGatherMinChunks = 2;
 
 // How one host gather of n rows of row_bytes by `threads` workers is cut: item_rows rows per work item,
 // chunk_items items per flagged chunk.

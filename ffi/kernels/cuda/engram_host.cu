@@ -22,7 +22,7 @@ struct Staging {
   size_t rows_cap = 0;
   int32_t* ids = nullptr;
   size_t ids_cap = 0;
-  uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk, [chunks] = job done; the last word: status
+  uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk (the last one: job done); the last word: status
   uint32_t* flags_dev = nullptr;
   size_t flags_cap = 0;           // words, the status word included (last)
   uint32_t seq = 0;
@@ -109,7 +109,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   const int64_t item_rows = plan.item_rows, chunk_items = plan.chunk_items;
   const int64_t items = n == 0 ? 0 : (n + item_rows - 1) / item_rows;
   const int64_t chunks = items == 0 ? 0 : (items + chunk_items - 1) / chunk_items;
-  const size_t flag_words = static_cast<size_t>(chunks + 2);  // chunks, done, status
+  const size_t flag_words = static_cast<size_t>(chunks + 1);  // chunks, status
   const bool gate = st.stream_wait_value;
   const CudaDriver* drv = cuda_driver(nullptr);
 
@@ -147,13 +147,21 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
       return e;
     }
   }
+  if (n == 0) {  // nothing to gather: the status of an empty fetch (checked: kNoBadPosition = 0x7f7f7f7f)
+    if ((e = cudaMemsetAsync(a.status, a.mode == engram::kModeChecked ? 0x7f : 0, 4, stream)) != cudaSuccess)
+      *what = "writing the status word";
+    if (e == cudaSuccess && sf_any && sf_words &&
+        (e = cudaMemsetAsync(a.sf_out, 0, static_cast<size_t>(sf_words) * 4, stream)) != cudaSuccess)
+      *what = "zeroing the sf result";
+    return e;
+  }
   if (++sg->seq == 0) sg->seq = 1;  // flags start at 0: never wait for 0
   const uint32_t seq = sg->seq;
   uint32_t* status_word = sg->flags + (sg->flags_cap / 4 - 1);
   int32_t* status_host = reinterpret_cast<int32_t*>(status_word);
 
   // 1. ids -> pinned
-  if (n && (e = cudaMemcpyAsync(sg->ids, a.ids, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream)) !=
+  if ((e = cudaMemcpyAsync(sg->ids, a.ids, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream)) !=
                cudaSuccess) {
     *what = "copying the ids to pinned memory";
     return e;
@@ -201,15 +209,13 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
       *what = "zeroing the sf result";
       return e;
     }
-    if (n) {
-      const int64_t work = n * a.P;
-      const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
-      sf_gather_kernel<<<blocks, 256, 0, stream>>>(a.ids, n, a.E, a.T, total, a.mode, a.sf_table, a.P, a.sf_layout,
-                                                   a.sf_out);
-      if ((e = cudaGetLastError()) != cudaSuccess) {
-        *what = "launching the scale-factor gather kernel";
-        return e;
-      }
+    const int64_t work = n * a.P;
+    const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
+    sf_gather_kernel<<<blocks, 256, 0, stream>>>(a.ids, n, a.E, a.T, total, a.mode, a.sf_table, a.P, a.sf_layout,
+                                                 a.sf_out);
+    if ((e = cudaGetLastError()) != cudaSuccess) {
+      *what = "launching the scale-factor gather kernel";
+      return e;
     }
   }
   // 3. per chunk: wait for its flag, copy it
@@ -224,7 +230,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     }
     return cudaSuccess;
   };
-  for (int64_t c = 0; c < (gate ? chunks : (n ? 1 : 0)); ++c) {
+  for (int64_t c = 0; c < (gate ? chunks : 1); ++c) {
     const int64_t r0 = gate ? c * chunk_rows : 0, r1 = gate ? std::min(n, r0 + chunk_rows) : n;
     if (gate && (e = wait_flag(c)) != cudaSuccess) return e;
     if ((e = cudaMemcpyAsync(a.out + r0 * rb, sg->rows + r0 * rb, static_cast<size_t>((r1 - r0) * rb),
@@ -233,8 +239,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
       return e;
     }
   }
-  // 4. the status after the job's last flag
-  if (gate && (e = wait_flag(chunks)) != cudaSuccess) return e;
+  // 4. the status: the last chunk's flag (waited for above) is set after it
   if ((e = cudaMemcpyAsync(a.status, status_host, 4, cudaMemcpyHostToDevice, stream)) != cudaSuccess) {
     *what = "copying the status word";
     return e;

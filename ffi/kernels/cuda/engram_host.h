@@ -10,8 +10,10 @@
 //   3. the scale factors (a few bytes per row): a small GPU kernel reads them from the replicated sf table, wherever
 //      it lives, while the CPU gathers the rows; only it uses SMs, the rows never do;
 //   4. per chunk (engram::host_gather_plan): cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device
-//      copy;
-//   5. after the last flag (set when every item and the status are done): the status word.
+//      copy; the last chunk's flag is set once every item and the status word are done;
+//   5. the status word (after the last chunk's copy, so no wait of its own).
+// That is 2 * chunks + 3 stream calls (+ 2 with scale factors) on the launching thread, which runs inside the
+// model's step: a small gather has few chunks (engram_layout.h).
 // Without cuStreamWaitValue32 the host function runs the whole gather synchronously and one copy follows.
 // Staging (rows, ids, flags, status) is pinned memory per (member, stream), grown on demand: a grow
 // synchronizes that stream once (warm-up only) and frees the old buffers. One job at a time per stream is safe by
