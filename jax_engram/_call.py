@@ -86,17 +86,6 @@ def _mesh_check_lowering(lowering, *operands, op, context_id, axes, groups):
 mlir.register_lowering(_mesh_check_p, _mesh_check_lowering)
 
 
-def require_host_callbacks(what: str) -> None:
-    """Errors that are only known on the device (a checked-mode id, bad routing) are raised by host callbacks,
-    which JAX runs on its CPU platform: refuse at trace time, with the fix, when that platform is left out."""
-    try:
-        jax.devices("cpu")
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"jax_engram {what} raises its error from a host callback, which needs JAX's CPU platform: keep 'cpu' "
-            "in JAX_PLATFORMS / jax_platforms (e.g. JAX_PLATFORMS=cuda,cpu)") from e
-
-
 def like(x, shape=None, dtype=None):
     """Result type with x's sharding / varying-axes info (a bare ShapeDtypeStruct inside shard_map
     silently returns device 0's shard)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call, _ffi, _scaleout_gin
@@ -35,6 +34,7 @@ from jax_engram import _call, _ffi, _scaleout_gin
 __all__ = ["HierEngram", "engram_buckets"]
 
 _ENGRAM_MODES = dict(_ffi.native("cpu").engram_layout["modes"])  # engram_layout.h Mode (jax_engram.ENGRAM_MODES)
+_NO_BAD_POSITION = int(_ffi.native("cpu").engram_layout["no_bad_position"])  # engram_layout.h kNoBadPosition
 
 
 # ------------------------------------------------------------------------------------------------- Engram
@@ -164,7 +164,7 @@ def _engram_fetch(table, ids, token, mode, sf_layout, config=None):
         sf_out = s
     status = jnp.zeros((), jnp.int32)
     if mode == "checked":
-        status = _checked(ctx, ids, total, out)
+        out, status = _checked(table, ids, total, out)
     return out, sf_out, status
 
 
@@ -189,26 +189,19 @@ def _gin_leg(table, ids, buckets, token, mode, config):
     return out, s
 
 
-def _checked(ctx, ids, total, after):
-    """mode='checked': raise (host callback, after every collective of the lookup, so no peer waits on this
-    rank) naming the first out-of-range flat position and its id; status is that position or 0x7F7F7F7F."""
-    T, E = ids.shape
+def _checked(table, ids, total, out):
+    """mode='checked': fail the call (the native check of the flat path's checked wait, the same OUT_OF_RANGE
+    message) naming this rank's first out-of-range flat position and its id. It reads ``out``, so it runs after
+    every collective of the lookup and no peer waits on this rank. Returns (out, status): the position or
+    kNoBadPosition."""
+    ctx = table.ctx
     flat = ids.reshape(-1)
     bad = flat >= total
-    pos = jnp.argmax(bad).astype(jnp.int32)
-    any_bad = jnp.any(bad)
-    rank = ctx.node_index() * ctx.local_size + ctx.local_index()
-    dep = jax.lax.bitcast_convert_type(after.reshape(-1)[:1], jnp.uint8).reshape(-1)[:1].astype(jnp.int32)
-
-    def cb(any_bad, pos, gid, rank, dep):
-        if bool(any_bad):
-            pos, gid = int(pos), int(gid)
-            raise IndexError(
-                f"jax_engram EngramTable.fetch: index out of range in mode='checked': id {gid} at flat position "
-                f"{pos} (token {pos // E}, entry {pos % E}) on rank {int(rank)} is not in [0, {total}) = "
-                "[0, num_ranks*num_entries)")
-        return np.int32(0x7F7F7F7F)
-
-    _call.require_host_callbacks("EngramTable.fetch (mode='checked')")
-    st = io_callback(cb, jax.ShapeDtypeStruct((), jnp.int32), any_bad, pos, flat[pos], rank, dep[0])
-    return jnp.where(any_bad, pos, st)
+    pos = jnp.where(jnp.any(bad), jnp.argmax(bad).astype(jnp.int32), jnp.int32(_NO_BAD_POSITION))
+    rank = (ctx.node_index() * ctx.local_size + ctx.local_index()).astype(jnp.int32)
+    word = jnp.stack([pos, rank])  # EngramWaitAttrs: the position, then the rank the message names
+    empty = jnp.zeros((0,), jnp.int32)
+    out, _ = _call.call(ctx.inner, "jax_engram_engram_wait", [_call.like(out), _call.like(empty)], out, empty, word,
+                        ids, word, input_output_aliases={0: 0, 1: 1}, keep=True, overlap=0, slot=0,
+                        check_total=total)
+    return out, pos

@@ -15,7 +15,6 @@ import atexit
 import dataclasses
 import hashlib
 import itertools
-import logging
 import math
 import os
 import threading
@@ -73,8 +72,8 @@ class JaxEngramError(RuntimeError):
 
 
 def error_message(e: BaseException) -> str | None:
-    """The jax_engram message inside an XLA runtime error (after XLA's status code, or at the end of the traceback
-    XLA puts around a host callback's exception), or None when the error is not a jax_engram one."""
+    """The jax_engram message inside an XLA runtime error (after XLA's status code), or None when the error is
+    not a jax_engram one."""
     lines = [l for l in str(e).splitlines() if "jax_engram " in l]
     if not lines:
         return None
@@ -95,16 +94,6 @@ def _forget_failed_executions(devices) -> None:
                 tokens.output_runtime_tokens.pop(d, None)
 
 
-class _OwnCallbackErrors(logging.Filter):
-    """JAX logs every exception a host callback raises, with its traceback, before XLA fails the call with it. A
-    JaxEngramError raised by our callbacks (checked lookups) is the call's error, reported once
-    by the call: drop JAX's log record of it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], JaxEngramError))
-
-
-logging.getLogger("jax._src.callback").addFilter(_OwnCallbackErrors())
 
 
 @atexit.register

@@ -31,9 +31,9 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
   and zero sf. Ids ``>= num_ranks*num_entries`` follow ``mode``: ``"fill"`` zero row/sf, ``"clip"`` read
   the last valid id, ``"checked"`` raise an error naming the first bad flat position and its id, once, from
   the call that looked them up; the table and the context stay usable. On CPU the fetch itself fails. On
-  GPU the check runs on the device (bad ids read as zeros) and ``wait`` hands the first bad position to a
-  host callback that fails the call (a host sync: checked mode is for debugging). ``lookup_global``
-  waits for a checked lookup and raises :class:`jax_engram.JaxEngramError`.
+  GPU the check runs on the device (bad ids read as zeros) and ``wait`` reads the first bad position back
+  and fails the call with the same ``OUT_OF_RANGE`` message (a host sync: checked mode is for debugging).
+  ``lookup_global`` waits for a checked lookup and raises :class:`jax_engram.JaxEngramError`.
 * indices must be integers; int32 is used as is, other integer dtypes are converted with saturation
   (``> 2**31-1`` becomes out of range, never wraps to a valid id). Global ids are int32, so
   ``num_ranks * num_entries < 2**31``.
@@ -131,25 +131,11 @@ class EngramPending:
     slot: int = 0  # the fetch call site (static): on GPU the wait waits for this fetch's work only
 
 
-def _raise_if_bad(status, indices, rank, *, total):
-    """Host side of mode="checked" on device backends (EngramTable.wait): raise naming the first bad id."""
-    pos = int(np.asarray(status))
-    if pos == _NO_BAD_POSITION:
-        return
-    ids = np.asarray(indices)
-    E = max(ids.shape[1], 1)
-    bad = int(ids.reshape(-1)[pos]) if 0 <= pos < ids.size else pos
-    raise JaxEngramError(
-        f"jax_engram engram fetch: index out of range in mode='checked': id {bad} at flat position {pos} (token "
-        f"{pos // E}, entry {pos % E}) on rank {int(np.asarray(rank))} is not in [0, {total}) = "
-        "[0, num_ranks*num_entries)")
-
-
 def _checked_error(e: BaseException) -> JaxEngramError:
     """The JaxEngramError of a failed checked lookup: the op's own message, without XLA's wrapping."""
     msg = str(e)
     lines = [l for l in msg.splitlines() if "index out of range in mode='checked'" in l]
-    if lines:  # the handler's or the host check's own line (XLA wraps callback errors in a traceback)
+    if lines:  # the handler's own line, after XLA's status code
         line = lines[0]
         i = line.find("jax_engram ")
         msg = line[i:] if i >= 0 else line
@@ -459,20 +445,12 @@ class EngramTable:
             return pending.data, (pending.sf if pending.has_sf else None)
         ops = (pending.data, pending.sf, pending.status, pending.indices,
                pending.status if after is None else jax.lax.stop_gradient(jnp.asarray(after)))
-        # EngramWaitAttrs: ctx_id, overlap, slot.
+        # EngramWaitAttrs: ctx_id, overlap, slot, check_total. A checked wait (GPU) reads the fetch's status after
+        # the reads and fails this call naming the first bad id, once (the OUT_OF_RANGE of the CPU fetch); the table
+        # and the context stay usable. It is kept even if its results are unused, so the check always runs.
         data, sf = _call.call(self.ctx, "jax_engram_engram_wait", [_call.like(ops[0]), _call.like(ops[1])], *ops,
-                              input_output_aliases={0: 0, 1: 1}, keep=bool(pending.overlap), overlap=pending.overlap,
-                              slot=pending.slot)
-        if pending.check_total:
-            _call.require_host_callbacks("EngramTable.wait (mode='checked')")
-            # A host callback after the reads: it fails this call (the execution) with the bad id, once; the
-            # table and the context stay usable (the check records nothing in the context). The status goes through
-            # a barrier with the waited data, so that XLA runs the callback after the wait: the fetch writes the
-            # status on its own stream (and on the host path only once the CPU gather is done), and nothing else
-            # orders a reader of the fetch's status after the wait.
-            status, _ = jax.lax.optimization_barrier((pending.status, data))
-            jax.debug.callback(functools.partial(_raise_if_bad, total=pending.check_total), status,
-                               pending.indices, jax.lax.axis_index(self.ctx.axis_name))
+                              input_output_aliases={0: 0, 1: 1}, keep=bool(pending.overlap or pending.check_total),
+                              overlap=pending.overlap, slot=pending.slot, check_total=pending.check_total)
         return data, (sf if pending.has_sf else None)
 
     def _fetch_hierarchical(self, indices, token, mode, sf_layout, config) -> EngramPending:

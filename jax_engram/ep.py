@@ -93,9 +93,9 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
       after: float32 [] ``done`` of another jax_engram op, to order this op after it; default: no dependency
         (with ``handle``: ``handle.done``).
       validate_routing: check ``topk_idx`` on every rank first (ids in [-1, num_experts), no duplicate expert
-        within a token): an all-gather of one small record over the axis and a host callback, which raises
-        :class:`jax_engram.JaxEngramError` on every rank, naming the rank, token and id, before anything is
-        sent; the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
+        within a token): an all-gather of one small record over the axis, read by the guard (on GPU a host
+        sync), which fails the call on every rank, naming the rank, token and id, before anything is sent;
+        the context stays usable. Without it bad routing fails the dispatch on the device and leaves the
         context unusable (close it and init a new one). Uses an XLA collective over the axis.
       config: :class:`jax_engram.EPConfig` for this dispatch, the combine that reverses it and their gradients
         (default: the context's ``ep_config``; with ``handle``: the handle's).

@@ -62,11 +62,7 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
     if (bad >= 0) {
       *st = static_cast<int32_t>(bad);
       // Synchronous on CPU: this op fails; the context stays usable (no error record).
-      return op_error(kOpEngramFetch,
-                      "index out of range in mode='checked': id " + num(ids[bad]) + " at flat position " + num(bad) +
-                          " (token " + num(bad / E) + ", entry " + num(bad % E) + ") on rank " + num(m.rank) +
-                          " is not in [0, " + num(total) + ") = [0, num_ranks*num_entries)",
-                      ffi::ErrorCode::kOutOfRange);
+      return refuse_out_of_range(kOpEngramFetch, m.rank, ids[bad], bad, E, total);
     }
   }
   // The member's host gather pool (the same workers and routine as the CUDA host-table path): rows and their scale
@@ -116,13 +112,22 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
 ffi::Error EngramWaitCpu(int32_t ordinal, ffi::AnyBuffer data, ffi::AnyBuffer sf, ffi::AnyBuffer status,
                          ffi::AnyBuffer indices, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> data_out,
                          ffi::Result<ffi::AnyBuffer> sf_out, EngramWaitAttrs at) {
-  (void)status;
-  (void)indices;
   (void)token;
   MemberScope s(at.ctx_id, ordinal, kOpEngramWait);
   if (!s.ok()) return s.error();
   if (data_out->size_bytes() != data.size_bytes() || sf_out->size_bytes() != sf.size_bytes())
     return op_error(kOpEngramWait, "results must have the sizes of the pending data and sf");
+  if (at.check_total > 0) {  // a checked ("node", "gpu") lookup: see EngramWaitAttrs
+    if (auto e = check_wait_status(kOpEngramWait, status, indices); !e.success()) return e;
+    const auto* word = static_cast<const int32_t*>(status.untyped_data());
+    const int64_t pos = word[0];
+    if (pos != engram::kNoBadPosition) {
+      const auto* ids = static_cast<const int32_t*>(indices.untyped_data());
+      const int64_t id = pos >= 0 && pos < static_cast<int64_t>(indices.element_count()) ? ids[pos] : pos;
+      return refuse_out_of_range(kOpEngramFetch, status.element_count() == 2 ? word[1] : s.member().rank, id, pos,
+                                 indices.dimensions()[1], at.check_total);
+    }
+  }
   if (data_out->untyped_data() != data.untyped_data() && data.size_bytes())
     std::memcpy(data_out->untyped_data(), data.untyped_data(), data.size_bytes());
   if (sf_out->untyped_data() != sf.untyped_data() && sf.size_bytes())

@@ -272,8 +272,6 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
                           ffi::AnyBuffer status, ffi::AnyBuffer indices, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> data_out,
                           ffi::Result<ffi::AnyBuffer> sf_out, EngramWaitAttrs at) {
-  (void)status;
-  (void)indices;
   (void)token;
   constexpr int32_t op = kOpEngramWait;
   MemberScope s(at.ctx_id, ordinal, op);
@@ -289,6 +287,31 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
     auto e = at.slot > 0 ? slot_event(m, op, at.slot, st.side_stream, stream, false)
                          : order_after(m, op, st.side_stream, stream, false);
     if (!e.success()) return e;
+  }
+  if (at.check_total > 0) {
+    // mode="checked": the fetch's device-side range check left the first bad flat position in `status`; read it
+    // back (a host sync, after the fetch by the ordering above) and fail this call naming it. Nothing is recorded
+    // in the context, which stays usable. Engram handlers are never captured into graphs by XLA (no trait).
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive)
+      return op_error(kOpEngramFetch, "mode='checked' reads the fetch's status on the host, which a captured CUDA "
+                                      "graph cannot do", ffi::ErrorCode::kFailedPrecondition);
+    if (auto e = check_wait_status(op, status, indices); !e.success()) return e;
+    int32_t word[2] = {engram::kNoBadPosition, m.rank};
+    cudaError_t ce = cudaMemcpyAsync(word, status.untyped_data(), status.size_bytes(), cudaMemcpyDeviceToHost, stream);
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(stream);
+    if (ce != cudaSuccess) return cuda_failure(op, "reading the checked fetch's status", ce);
+    const int32_t pos = word[0];
+    if (pos != engram::kNoBadPosition) {
+      const int64_t n = indices.element_count(), E = indices.dimensions()[1];
+      int32_t id = pos;  // the position itself if it is not an index position (never, by the kernels)
+      if (pos >= 0 && pos < n) {
+        ce = cudaMemcpy(&id, static_cast<const int32_t*>(indices.untyped_data()) + pos, sizeof(id),
+                        cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess) return cuda_failure(op, "reading the checked fetch's bad id", ce);
+      }
+      return refuse_out_of_range(kOpEngramFetch, word[1], id, pos, E, at.check_total);
+    }
   }
   // input_output_aliases makes these the same buffers; copy only if XLA gave us distinct ones.
   cudaError_t ce = cudaSuccess;

@@ -41,6 +41,11 @@ struct EngramWaitAttrs {
   int64_t ctx_id;
   int64_t overlap;  // the fetch's: CUDA joins the side stream back into XLA's; CPU: unused
   int64_t slot;     // the fetch's slot: CUDA waits for that fetch's work only (not for later fetches)
+  // mode="checked" where the fetch cannot fail by itself (the CUDA gather; the ("node", "gpu") lookup): `status`
+  // holds the first bad flat position of `indices` (kNoBadPosition if none), optionally followed by the rank to
+  // name (int32 [2]; else the member's own). The wait reads it (on CUDA a host sync: checked mode is for
+  // debugging) and fails the call naming that position, its id and [0, check_total). 0: no check.
+  int64_t check_total;
 };
 
 // Static attributes of the GIN leg of a hierarchical lookup (CUDA only: cuda_engram_gin.cc;
@@ -73,7 +78,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("host_threads"), ::xla::ffi::StructMember<int64_t>("slot"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_engram::EngramWaitAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
                                       ::xla::ffi::StructMember<int64_t>("overlap"),
-                                      ::xla::ffi::StructMember<int64_t>("slot"));
+                                      ::xla::ffi::StructMember<int64_t>("slot"),
+                                      ::xla::ffi::StructMember<int64_t>("check_total"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EngramGinFetchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("window_id"), ::xla::ffi::StructMember<int64_t>("num_entries"),

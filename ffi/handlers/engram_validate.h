@@ -105,5 +105,25 @@ inline ffi::Error check_fetch(int32_t op, Member& m, const ffi::AnyBuffer& indic
                    static_cast<uint64_t>(P > 0 ? f->total * P * engram::kSfWordBytes : 0), op, &f->sf_table);
 }
 
+// mode="checked": the refusal of a fetch whose flat position `pos` (of T*E, E entries per token) holds `id`, not in
+// [0, total). The CPU fetch raises it by itself, the CUDA wait after reading the fetch's status: one message.
+inline ffi::Error refuse_out_of_range(int32_t op, int32_t rank, int64_t id, int64_t pos, int64_t E, int64_t total) {
+  const int64_t e = E > 0 ? E : 1;
+  return op_error(op,
+                  "index out of range in mode='checked': id " + num(id) + " at flat position " + num(pos) +
+                      " (token " + num(pos / e) + ", entry " + num(pos % e) + ") on rank " + num(rank) +
+                      " is not in [0, " + num(total) + ") = [0, num_ranks*num_entries)",
+                  ffi::ErrorCode::kOutOfRange);
+}
+
+// The wait's checked-mode status (EngramWaitAttrs::check_total): int32 [1] (position) or [2] (position, rank).
+inline ffi::Error check_wait_status(int32_t op, const ffi::AnyBuffer& status, const ffi::AnyBuffer& indices) {
+  if (status.element_type() != ffi::DataType::S32 || status.element_count() < 1 || status.element_count() > 2)
+    return op_error(op, "a checked wait's status must be int32 [1] or [2]");
+  if (indices.element_type() != ffi::DataType::S32 || indices.dimensions().size() != 2)
+    return op_error(op, "a checked wait's indices must be an int32 [T, E] array");
+  return ffi::Error::Success();
+}
+
 }  // namespace engram_validate
 }  // namespace jax_engram

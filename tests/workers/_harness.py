@@ -35,7 +35,7 @@ def import_launch():
 def start(platform: str = "auto", cpu_devices: int | None = None, **initialize_kw):
     """Joins the launcher's job (``jax_engram.launch.initialize``: call it before anything starts a JAX backend)
     and returns its config, or None for a standalone run. A standalone run picks its platform: "cpu" (with
-    ``cpu_devices`` CPU devices), "cuda" or "gpu" (CUDA, with the CPU kept for host callbacks), "auto" (JAX's
+    ``cpu_devices`` CPU devices), "cuda" or "gpu" (CUDA, with the CPU platform kept too), "auto" (JAX's
     choice); under the launcher the launcher has chosen."""
     cfg = import_launch().initialize(**initialize_kw)
     import jax
@@ -45,7 +45,7 @@ def start(platform: str = "auto", cpu_devices: int | None = None, **initialize_k
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", cpu_devices)
         elif platform in ("gpu", "cuda"):
-            jax.config.update("jax_platforms", "cuda,cpu")  # cpu: host callbacks (checked mode)
+            jax.config.update("jax_platforms", "cuda,cpu")  # cpu: host arrays of the checks
     return cfg
 
 
