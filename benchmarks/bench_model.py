@@ -87,8 +87,8 @@ ap.add_argument("--modes", default="fwd,train")
 ap.add_argument("--iters", type=int, default=10)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (T, mode) this many times, the "
-                "variants interleaved (A B C, A B C, ...), and report the median of the rounds: drift of the machine "
-                "over the run then falls on every variant alike")
+                "variants interleaved (A B C, A B C, ...): ms is the median of the rounds, and each overhead the "
+                "median of the per-round ratios, so drift of the machine over the run cancels")
 ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of the [cpu] variants "
                 "(0: the library's default)")
 ap.add_argument("--profile", default=None, help="also record 3 steps of every variant with jax.profiler into "
@@ -420,6 +420,7 @@ def run_size(table_gib: float, params, link_gbps):
                                              + (f" (median of {len(samples[v][0])} rounds)" if args.rounds > 1 else "")
                                              if "ms" in row else row["error"]))
                 rows_out.append(row)
+        rounds_of = {(r["mode"], r["variant"]): r for r in rows_out if r["T"] == T and r.get("rounds_ms")}
         for row in rows_out:
             if row["T"] != T or "ms" not in row:
                 continue
@@ -428,6 +429,14 @@ def run_size(table_gib: float, params, link_gbps):
                 row[f"vs_{ref}_pct"] = 100.0 * (row["ms"] / b - 1.0) if b else None
                 b = base.get((row["mode"], ref, "b2b"))
                 row[f"b2b_vs_{ref}_pct"] = 100.0 * (row["b2b_ms"] / b - 1.0) if b and row.get("b2b_ms") else None
+                # Several rounds: the overhead is the median of the per-round ratios (each round times the variants
+                # back to back, so a drift of the machine between rounds cancels in the ratio).
+                ref_row = rounds_of.get((row["mode"], ref))
+                if ref_row is not None and row.get("rounds_ms"):
+                    for key, pct in (("rounds_ms", f"vs_{ref}_pct"), ("rounds_b2b_ms", f"b2b_vs_{ref}_pct")):
+                        per = [100.0 * (a / r - 1.0) for a, r in zip(row[key], ref_row[key])]
+                        row[pct] = float(np.median(per))
+                        row[f"rounds_{pct}"] = per
         # each path's fetch alone, at this T
         for kind, path in (("lookup", "gpu"), ("lookup", "cpu"), ("take_hbm", "")):
             name = f"{kind}[{path}]" if path else kind
