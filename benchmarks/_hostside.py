@@ -5,12 +5,13 @@
 * ``gather_rate(table_bytes, row_bytes, num_rows, threads, repeats)``: ``_engram_cpu.host_gather_rate`` -> GB/s of
   random rows gathered by CPU threads from a host table of ``table_bytes`` (no GPU involved);
 * ``gather_in_processes(nprocs, ...)``: that gather in ``nprocs`` processes at once (one per GPU of a node share
-  its host memory), per-process and total GB/s.
+  its host memory) over one common timed window, per-process and total GB/s.
 
 Every function returns a dict; where the probe is missing it returns ``{"skipped": reason}`` instead of failing,
 so the benchmarks run (and say so) on builds without it. No JAX device work here.
 
-Run as a script, this file is the worker of ``gather_in_processes`` (it reads "go" on stdin, then gathers).
+Run as a script, this file is the worker of ``gather_in_processes`` (it reads "go <start> <window>" on stdin, then
+gathers).
 """
 from __future__ import annotations
 
@@ -52,12 +53,14 @@ def memory_bandwidth(nbytes: int, threads: int) -> dict:
     return dict(_call("host_memory_bandwidth", int(nbytes), int(threads)), bytes=int(nbytes), threads=int(threads))
 
 
-def gather_rate(table_bytes: int, row_bytes: int, num_rows: int, threads: int, repeats: int) -> dict:
+def gather_rate(table_bytes: int, row_bytes: int, num_rows: int, threads: int, repeats: int,
+                start_at_s: float = 0.0, min_seconds: float = 0.0) -> dict:
     """GB/s of ``num_rows`` random ``row_bytes`` rows gathered by ``threads`` CPU threads from a ``table_bytes`` host
-    table (the probe allocates and fills its own table): gather_gbps."""
+    table (the probe allocates and fills its own table): gather_gbps (best of ``repeats``); with ``start_at_s`` /
+    ``min_seconds`` also mean_gbps over a timed window that starts at that wall-clock time and lasts that long."""
     return dict(_call("host_gather_rate", int(table_bytes), int(row_bytes), int(num_rows), int(threads),
-                      int(repeats)), table_bytes=int(table_bytes), row_bytes=int(row_bytes), num_rows=int(num_rows),
-                threads=int(threads), repeats=int(repeats))
+                      int(repeats), float(start_at_s), float(min_seconds)), table_bytes=int(table_bytes),
+                row_bytes=int(row_bytes), num_rows=int(num_rows), threads=int(threads), repeats=int(repeats))
 
 
 def default_threads(nprocs: int = 1) -> int:
@@ -67,9 +70,12 @@ def default_threads(nprocs: int = 1) -> int:
 
 
 def gather_in_processes(nprocs: int, table_bytes: int, row_bytes: int, num_rows: int, threads: int, repeats: int,
-                        timeout_s: float = 300.0) -> dict:
-    """``gather_rate`` in ``nprocs`` processes at once: every worker allocates and fills its own table, reports
-    ready, and all start together. Returns per-process results, total_gbps (sum) and min/max per process."""
+                        timeout_s: float = 300.0, window_s: float = 1.0) -> dict:
+    """``gather_rate`` in ``nprocs`` processes at once: every worker allocates and fills its own table, then all
+    gather over one common wall-clock window (it starts once every table is filled, by a generous estimate, and
+    lasts ``window_s``). Returns per-process results, total_gbps (sum of the window rates), min/max per process,
+    and overlap: the fraction of the span of all windows during which every process was gathering (1.0 = all at
+    once; the figures mean "at once" only near 1)."""
     out = dict(processes=nprocs, threads_per_process=threads, table_bytes=table_bytes, num_rows=num_rows)
     if _native("host_gather_rate") is None:
         return dict(out, **_skip("host_gather_rate"))
@@ -84,8 +90,11 @@ def gather_in_processes(nprocs: int, table_bytes: int, row_bytes: int, num_rows:
             line = p.stdout.readline()
             if line.strip() != "ready" or time.time() > deadline:
                 raise RuntimeError(f"a gather worker did not start: {line.strip()!r} {p.stderr.read()[-300:]}")
+        # Every process fills its own table first (memset, all at once): start the common window after a
+        # generous estimate of that (2 GB/s per process), and check below that every window began on time.
+        start_at = time.time() + 1.0 + nprocs * table_bytes / 2e9
         for p in procs:
-            p.stdin.write("go\n")
+            p.stdin.write(f"go {start_at!r} {window_s!r}\n")
             p.stdin.flush()
         res = []
         for p in procs:
@@ -99,10 +108,14 @@ def gather_in_processes(nprocs: int, table_bytes: int, row_bytes: int, num_rows:
                 p.kill()
                 p.wait()
         return dict(out, error=f"{type(e).__name__}: {str(e)[:400]}")
-    rates = [r.get("gather_gbps") for r in res]
+    rates = [r.get("mean_gbps") for r in res]
     out.update(per_process=res)
     if all(isinstance(r, float) for r in rates):
-        out.update(total_gbps=sum(rates), min_gbps=min(rates), max_gbps=max(rates))
+        starts = [r["window_start_s"] for r in res]
+        ends = [r["window_end_s"] for r in res]
+        span = max(ends) - min(starts)
+        out.update(total_gbps=sum(rates), min_gbps=min(rates), max_gbps=max(rates),
+                   overlap=max(0.0, min(ends) - max(starts)) / span if span > 0 else 0.0)
     return out
 
 
@@ -110,10 +123,12 @@ def _worker(argv: list[str]) -> int:
     table_bytes, row_bytes, num_rows, threads, repeats = (int(a) for a in argv)
     _native("host_gather_rate")  # import before "ready": the start of the gathers is not spread by imports
     print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
+    go = sys.stdin.readline().split()
+    if not go or go[0] != "go":
         return 2
+    start_at, window_s = (float(v) for v in go[1:3]) if len(go) >= 3 else (0.0, 0.0)
     t0 = time.perf_counter()
-    r = gather_rate(table_bytes, row_bytes, num_rows, threads, repeats)
+    r = gather_rate(table_bytes, row_bytes, num_rows, threads, repeats, start_at, window_s)
     r["wall_s"] = time.perf_counter() - t0
     print(json.dumps(r), flush=True)
     return 0

@@ -1058,7 +1058,8 @@ def run_procs():
         out.append(r)
         if "total_gbps" in r:
             lines.append(f"  {n} processes x {th} threads: total {r['total_gbps']:.1f} GB/s, per process "
-                         f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f} GB/s")
+                         f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f} GB/s (mean over a common window; every process "
+                         f"gathering for {100 * r['overlap']:.0f} % of it)")
         else:
             lines.append(f"  {n} processes: {r.get('skipped') or r.get('error')}")
     one = next((r for r in out if r.get("processes") == 1 and r.get("total_gbps")), None)

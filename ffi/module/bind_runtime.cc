@@ -234,24 +234,32 @@ void bind_runtime(nb::module_& m, const char* platform) {
   }, nb::arg("nbytes"), nb::arg("threads"),
      "Host memory bandwidth with `threads` threads over two `nbytes` buffers: sequential read, memcpy (bytes copied) "
      "and non-temporal writes, GB/s (best of 3).");
-  m.def("host_gather_rate", [](int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats) {
+  m.def("host_gather_rate", [](int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats,
+                                double start_at_s, double min_seconds) {
     HostGatherRate r;
     {
       nb::gil_scoped_release nogil;
-      r = host_gather_rate(table_bytes, row_bytes, num_rows, threads, repeats);
+      r = host_gather_rate(table_bytes, row_bytes, num_rows, threads, repeats, start_at_s, min_seconds);
     }
     if (!r.error.empty()) throw std::runtime_error("host_gather_rate: " + r.error);
     nb::dict d;
     d["gather_gbps"] = r.gather_gbps;
     d["seconds"] = r.seconds;
+    d["mean_gbps"] = r.mean_gbps;
+    d["window_start_s"] = r.window_start_s;
+    d["window_end_s"] = r.window_end_s;
+    d["gathers"] = r.gathers;
     d["table_bytes"] = table_bytes;
     d["row_bytes"] = row_bytes;
     d["num_rows"] = num_rows;
     d["threads"] = threads;
     return d;
   }, nb::arg("table_bytes"), nb::arg("row_bytes"), nb::arg("num_rows"), nb::arg("threads"), nb::arg("repeats"),
+     nb::arg("start_at_s") = 0.0, nb::arg("min_seconds") = 0.0,
      "GB/s of the host gather pool's routine: num_rows random rows of a table_bytes host table into a buffer "
-     "(best of `repeats`).");
+     "(gather_gbps: best of `repeats`). Several processes at once: the timed window starts at start_at_s (wall "
+     "clock) and lasts at least min_seconds; mean_gbps is its bytes over its length, window_start_s / "
+     "window_end_s its span.");
   nb::dict info;
   info["jaxlib"] = JAX_ENGRAM_BUILD_JAXLIB;
   info["ffi_api"] = nb::make_tuple(JAX_ENGRAM_FFI_MAJOR, JAX_ENGRAM_FFI_MINOR);

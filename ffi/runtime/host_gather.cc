@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <stdexcept>
+#include <thread>
 
 #include "jax_engram/engram_layout.h"
 #include "runtime/env.h"
@@ -271,7 +272,8 @@ std::vector<int> numa_node_cpus(int node) {
 
 namespace jax_engram {
 
-HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats) {
+HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats,
+                                double start_at_s, double min_seconds) {
   HostGatherRate r;
   row_bytes = std::max<int64_t>(row_bytes, 1);
   const int64_t rows = std::max<int64_t>(table_bytes / row_bytes, 1);
@@ -305,7 +307,15 @@ HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t 
   pool.grow(std::max(threads, 1));
   uint8_t* peer = static_cast<uint8_t*>(tab);
   double best = 1e30;
-  for (int rep = 0; rep < std::max(repeats, 1); ++rep) {
+  auto wall_s = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  while (start_at_s > 0 && wall_s() < start_at_s) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  const double w0 = wall_s();
+  const auto s0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count(); };
+  int64_t gathers = 0;
+  for (int rep = 0; rep < std::max(repeats, 1) || elapsed() < min_seconds; ++rep, ++gathers) {
     auto job = std::make_shared<HostGatherJob>();
     job->g.ids = ids.data();
     job->g.T = num_rows;
@@ -323,11 +333,16 @@ HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t 
     job->wait(3600.0);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  const double window = elapsed();
   pool.stop();
   std::free(tab);
   std::free(out);
   r.gather_gbps = static_cast<double>(num_rows * row_bytes) / best / 1e9;
   r.seconds = best;
+  r.gathers = gathers;
+  r.mean_gbps = static_cast<double>(gathers) * static_cast<double>(num_rows * row_bytes) / window / 1e9;
+  r.window_start_s = w0;
+  r.window_end_s = w0 + window;
   return r;
 }
 

@@ -107,11 +107,17 @@ class HostGatherPool {
 
 // Measurement (the modules' host_gather_rate): `num_rows` random rows of a `table_bytes` table in plain host memory
 // (2 MiB-aligned, huge pages advised) gathered by a pool of `threads` workers into a buffer; best of `repeats`.
+// For several processes gathering at once: the timed window starts at `start_at_s` (wall clock, seconds since the
+// epoch; 0 = as soon as the table is filled) and gathers repeat until it lasted `min_seconds` (and `repeats` ran);
+// mean_gbps is the window's bytes over its length, [window_start_s, window_end_s] its wall-clock span.
 struct HostGatherRate {
   double gather_gbps = 0, seconds = 0;
+  double mean_gbps = 0, window_start_s = 0, window_end_s = 0;
+  int64_t gathers = 0;
   std::string error;  // "" on success
 };
-HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats);
+HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t num_rows, int threads, int repeats,
+                                double start_at_s = 0, double min_seconds = 0);
 
 // Joins the member's pool (if any). Called by Registry::destroy_member after the backend's quiesce.
 void stop_host_gather(Member& m);
