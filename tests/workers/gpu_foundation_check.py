@@ -218,11 +218,13 @@ def check_timeout():
     record the error (no trap, no hang); ctx.check() and the next op must report it."""
     c3 = jax_engram.init(mesh, "ep", timeout_s=3.0)
     try:
+        x = global_array(np.zeros(N, dtype=np.int32))
+        # Every process compiles (XLA's GPU compiler shares autotuning work between the processes of a job through
+        # the coordination service, so a compile on process 0 alone waits for the others); only process 0 runs it.
+        f = smap(lambda t: jax_engram.barrier(ctx=c3, after=t[0]).reshape(1)).lower(x).compile()
         if PROC != 0:
             record("timeout", True, "(process 0 checks)")
             return
-        x = global_array(np.zeros(N, dtype=np.int32))
-        f = smap(lambda t: jax_engram.barrier(ctx=c3, after=t[0]).reshape(1))
         t1 = time.time()
         f(x).block_until_ready()
         waited = time.time() - t1
