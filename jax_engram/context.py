@@ -37,7 +37,7 @@ DEVICE, HOST = 0, 1  # SegmentKind
 
 _ids = itertools.count(1)
 _fingerprint_counts: dict[str, int] = {}
-_live: "weakref.WeakSet[Context]" = weakref.WeakSet()
+_live: "weakref.WeakSet[Context | HierContext]" = weakref.WeakSet()  # what the user created (not inner contexts)
 _lock = threading.Lock()
 
 
@@ -56,8 +56,8 @@ def _wait_for_tables(ctx) -> None:
     asynchronously, and an enqueued ``lookup_global`` / ``write_global`` still needs the context that ``close``
     tears down. Their failures are theirs to report (reading their results raises); after an op of the context
     failed nothing is waited for (a dead peer would hold every wait for ``timeout_s``)."""
-    tables = list(getattr(ctx, "_tables", ()))
-    if not tables or (hasattr(ctx, "errors") and ctx.errors()):
+    tables = list(ctx._tables)
+    if not tables or ctx.errors():
         return
     for t in tables:
         t._wait_global_calls()
@@ -581,9 +581,10 @@ class Context:
 class HierContext:
     """A jax_engram context over a tuple of mesh axes ``(node axes..., local axis)``. Create with
     ``jax_engram.init(mesh, ("node", "gpu"))``. Ops run inside ``jax.shard_map`` over all of these axes
-    (``P(("node", "gpu"))``); the signatures of every op are those of the flat path."""
+    (``P(("node", "gpu"))``); the signatures of every op are those of the flat path.
 
-    hierarchical = True
+    It owns no symmetric memory: its Engram tables and EP buffers live in its per-node inner :class:`Context`
+    (``ctx.inner``, the last axis), whose errors, captures and lifetime it reports and manages."""
 
     def __init__(self, mesh, axes: tuple, *, device_bytes, host_bytes, timeout_s: float, cuda_graphs: bool = False,
                  ep_config=None):
@@ -613,6 +614,8 @@ class HierContext:
         self.device_bytes, self.host_bytes = self.inner.device_bytes, self.inner.host_bytes
         self._tables: "weakref.WeakSet" = weakref.WeakSet()  # EngramTables of this context (close waits for them)
         self._inter_node_path, self._gin_reason = _scaleout_gin.probe(self)
+        _live.discard(self.inner)  # listed once, as what the user holds
+        _live.add(self)
 
     # The node axis as jax.lax collectives take it (a name or a tuple of names).
     @property
@@ -621,8 +624,9 @@ class HierContext:
 
     @property
     def inter_node_path(self) -> str:
-        """How Engram rows cross nodes: "gin" or "xla all_to_all" (static capacity, same-rail); see
-        :mod:`jax_engram._scaleout_gin`."""
+        """How Engram rows cross nodes: ``"gin"`` (NCCL's GPU-initiated networking: one-sided gets from the
+        peers' windows, where the network offers it) or ``"xla all_to_all"`` (XLA collectives over the node axes,
+        static capacity, same-rail). ``info()["gin"]`` says why GIN is not used (README, "Across nodes")."""
         return self._inter_node_path
 
     def _check_open(self) -> None:
@@ -633,12 +637,18 @@ class HierContext:
         return self.inner._closed
 
     def check(self) -> None:
+        """Wait for this process's work on the context's devices, then raise :class:`JaxEngramError` if an error is
+        recorded (see :meth:`Context.check`; the errors of the per-node inner context)."""
         self.inner.check()
 
     def errors(self) -> list[dict]:
+        """The errors recorded on this process's devices, as :meth:`Context.errors` (global ranks of the inner
+        context's group); empty while the context is healthy."""
         return self.inner.errors()
 
     def graph_captures(self) -> dict:
+        """EP calls captured into CUDA graphs on this process's devices, by op (see :meth:`Context.graph_captures`):
+        the intra-node legs of the hierarchical ops."""
         return self.inner.graph_captures()
 
     def dispatch_path(self, **kw) -> str:
@@ -651,8 +661,13 @@ class HierContext:
                                   "(ctx.inner); barrier / ring_exchange need a flat context")
 
     def close(self) -> None:
+        """Collective: wait for the context's Engram tables and device work, then free the inner context's windows
+        and communicators (see :meth:`Context.close`; it never raises for a peer that failed or died)."""
         _wait_for_tables(self)
-        self.inner.close()
+        try:
+            self.inner.close()
+        finally:
+            _live.discard(self)
 
     def __enter__(self) -> "HierContext":
         return self
@@ -665,6 +680,8 @@ class HierContext:
                 f"ranks={self.num_ranks}, platform={self.platform}, inner={self.inner!r})")
 
     def info(self) -> dict:
+        """What this context is, as a dict: the inner context's :meth:`Context.info` with the group's global figures
+        (axes, ranks, nodes, ranks per node) and the paths rows take inside and across nodes. For logs."""
         d = dict(self.inner.info())
         d.update({"axis": self.axis_name, "num_ranks": self.num_ranks, "hierarchical": True,
                   "nodes": self.num_nodes, "ranks_per_node": self.local_size, "node_axes": self.node_axes,
@@ -759,6 +776,7 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
                    cuda_graphs=cuda_graphs, ep_config=ep_config)
 
 
-def live_contexts() -> list[Context]:
-    """The contexts of this process that are not closed yet (e.g. to close them all at the end of a job)."""
+def live_contexts() -> list[AnyContext]:
+    """The contexts this process created with :func:`init` that are not closed yet (e.g. to close them all at the end
+    of a job): :class:`Context` and :class:`HierContext` objects (not a ``HierContext``'s inner context)."""
     return list(_live)

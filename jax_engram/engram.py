@@ -72,7 +72,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_engram import _call, _ffi, _scaleout
 from jax_engram.config import EngramConfig
-from jax_engram.context import AnyContext, HierContext, JaxEngramError
+from jax_engram.context import AnyContext, HierContext, JaxEngramError, _forget_failed_executions
 
 __all__ = ["EngramTable", "EngramPending", "ENGRAM_DTYPES", "ENGRAM_MODES", "SF_LAYOUTS"]
 
@@ -140,24 +140,6 @@ def _checked_error(e: BaseException) -> JaxEngramError:
         i = line.find("jax_engram ")
         msg = line[i:] if i >= 0 else line
     return JaxEngramError(msg.rstrip(".") + ". The table and its context stay usable.")
-
-
-_noop = None
-
-
-def _forget_failed_execution(ctx) -> None:
-    """JAX keeps a failed execution as each device's last runtime token and raises its error again at
-    interpreter exit. A trivial computation with a host callback on each local device replaces that token."""
-    global _noop
-    if _noop is None:
-        def f(x):
-            jax.debug.callback(lambda: None)
-            return x
-
-        _noop = jax.jit(f)
-    for d in ctx.mesh.devices.flat:
-        if d.process_index == jax.process_index():
-            jax.block_until_ready(_noop(jax.device_put(np.zeros((), np.int32), d)))
 
 
 class EngramTable:
@@ -618,7 +600,8 @@ class EngramTable:
                 data, sf, token = fn(ids, self._global_token())
                 jax.block_until_ready(token)
             except Exception as e:  # noqa: BLE001 - XLA's runtime error carries our message
-                _forget_failed_execution(self.ctx)
+                _forget_failed_executions({d for d in self.ctx.mesh.devices.flat
+                                           if d.process_index == jax.process_index()})
                 raise _checked_error(e) from None
         self._token = token
         return data, (sf if self.num_sf_packs else None)

@@ -54,6 +54,6 @@ checks.summary("ep_check", devices[0].platform, f"{R} ranks", f"{jax.process_cou
                f"{time.time() - T0:.1f}s")
 launch.emit_result({"checks": results, "devices": R, "processes": jax.process_count(),
                     "platform": devices[0].platform, "dispatch_path": dispatch_path,
-                    "graph_captures": graph_captures, "hierarchical": bool(getattr(ctx, "hierarchical", False))})
+                    "graph_captures": graph_captures, "hierarchical": isinstance(ctx, je.HierContext)})
 launch.shutdown()
 sys.exit(0 if all(results.values()) and results else 1)
