@@ -43,20 +43,20 @@ def _run_single(extra_args=(), env=None, timeout=600):
 
 
 def test_two_processes_all_cases_grads_errors(launch, ref_dir):
-    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,lanes,config,errors", "--ref-dir", ref_dir),
+    res = launch(2, WORKER, args=("--suite", "cases,cache,gradne,grad,sequences,config,errors", "--ref-dir", ref_dir),
                  platform="cpu", timeout=900)
     assert len(res) == 2 and all(r["devices"] == 2 and r["processes"] == 2 for r in res)
     _assert_all_pass(res, min_checks=25)
     for name in ("case_expand_e8_k8_a128_zp_unbal_bias2", "case_nonexpand_e64_k1_fp8_p1_bias2",
                  "case_expand_h7168_k8_bias2", "jit_cache_hit_when_token_count_changes", "moe_grad_bfloat16",
-                 "grad_nonexpand_dispatch_combine", "lanes_interleaved", "ep_config_attributes_and_cache_key",
+                 "grad_nonexpand_dispatch_combine", "sequences_interleaved", "ep_config_attributes_and_cache_key",
                  "error_duplicate_expert_names_token",
                  "error_init_cuda_graphs_not_bool"):
         assert name in res[0]["checks"], name
 
 
 def test_four_processes(launch, ref_dir):
-    res = launch(4, WORKER, args=("--suite", "cases,cache,lanes", "--wide-only", "--ref-dir", ref_dir), platform="cpu",
+    res = launch(4, WORKER, args=("--suite", "cases,cache,sequences", "--wide-only", "--ref-dir", ref_dir), platform="cpu",
                  timeout=900)
     assert len(res) == 4 and all(r["devices"] == 4 for r in res)
     _assert_all_pass(res, min_checks=6)
@@ -72,9 +72,9 @@ def test_one_process_four_cpu_devices(ref_dir):
 
 def test_one_cpu_device_local_path(ref_dir):
     # One rank takes the local path by default (jax_engram/_ep_local.py): every case bit-exact against the reference,
-    # the jit cache, the lanes, the config, and the errors (bad routing, a closed context) through its guard calls.
+    # the jit cache, the dispatch sequences, the config, and the errors (bad routing, a closed context) through its guard calls.
     # tests/test_ep_local.py compares it with the kernels at one rank.
-    res = _run_single(["--platform", "cpu", "--cpu-devices", "1", "--suite", "cases,cache,gradne,lanes,config,errors",
+    res = _run_single(["--platform", "cpu", "--cpu-devices", "1", "--suite", "cases,cache,gradne,sequences,config,errors",
                        "--ref-dir", ref_dir], env={"JAX_PLATFORMS": "cpu"})
     assert res[0]["devices"] == 1 and res[0]["processes"] == 1
     _assert_all_pass(res, min_checks=30)
@@ -89,7 +89,7 @@ def _one_gpu_env(extra=None):
     return {"CUDA_VISIBLE_DEVICES": first, **(extra or {})}
 
 
-_ONE_RANK_SUITES = "cases,cache,gradne,lanes,config,errors"
+_ONE_RANK_SUITES = "cases,cache,gradne,sequences,config,errors"
 
 
 @pytest.mark.gpu(1)
@@ -145,7 +145,7 @@ def test_two_processes_one_gpu_each_copy_engine_rows(launch):
 
 def test_cuda_graphs_flag_is_a_no_op_on_cpu():
     # cuda_graphs=True only changes which CUDA targets the ops call; on CPU the same results, nothing captured
-    res = _run_single(["--platform", "cpu", "--cpu-devices", "2", "--suite", "quick,lanes", "--cuda-graphs"],
+    res = _run_single(["--platform", "cpu", "--cpu-devices", "2", "--suite", "quick,sequences", "--cuda-graphs"],
                       env={"JAX_PLATFORMS": "cpu"})
     _assert_all_pass(res, min_checks=2)
     assert res[0]["graph_captures"] == {"dispatch": 0, "dispatch_cached": 0, "combine": 0}
@@ -165,16 +165,16 @@ def test_bench_graphs_runs_on_cpu(tmp_path):
 
 
 # CUDA graphs (Context cuda_graphs=True): with a graph-size threshold of 1 XLA captures every EP op it may (the SM-store
-# dispatches, cached dispatches and combines) into CUDA graphs and replays them without their handlers; the lanes
-# suite interleaves them with copy-engine dispatches, which stay outside (ep_layout.h "dispatch lanes").
+# dispatches, cached dispatches and combines) into CUDA graphs and replays them without their handlers; the sequences
+# suite interleaves them with copy-engine dispatches, which stay outside (ep_layout.h, EpSequence).
 _GRAPH_ENV = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()}
-_GRAPH_SUITES = "cases,cache,gradne,grad,lanes,errors"
+_GRAPH_SUITES = "cases,cache,gradne,grad,sequences,errors"
 
 
 @pytest.mark.gpu(2)
 def test_two_gpus_one_process_cuda_graphs():
     res = _run_single(["--platform", "gpu", "--suite", _GRAPH_SUITES, "--cuda-graphs"], env=_GRAPH_ENV)
-    _assert_all_pass(res, min_checks=36)  # cases 10, cache 1, gradne 1, grad 2, lanes 2, errors 20
+    _assert_all_pass(res, min_checks=36)  # cases 10, cache 1, gradne 1, grad 2, sequences 2, errors 20
     assert all(v > 0 for v in res[0]["graph_captures"].values()), res[0]["graph_captures"]  # every op captured
 
 
@@ -182,7 +182,7 @@ def test_two_gpus_one_process_cuda_graphs():
 def test_two_processes_one_gpu_each_cuda_graphs(launch):
     res = launch(2, WORKER, args=("--suite", _GRAPH_SUITES, "--cuda-graphs"), platform="cuda", timeout=900,
                  env=_GRAPH_ENV)
-    _assert_all_pass(res, min_checks=36)  # cases 10, cache 1, gradne 1, grad 2, lanes 2, errors 20
+    _assert_all_pass(res, min_checks=36)  # cases 10, cache 1, gradne 1, grad 2, sequences 2, errors 20
     assert all(v > 0 for r in res for v in r["graph_captures"].values()), [r["graph_captures"] for r in res]
 
 

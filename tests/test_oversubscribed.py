@@ -44,8 +44,8 @@ def _ep_all_pass(results, ranks, min_checks):
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("ranks", RANKS)
 def test_oversubscribed_ep(launch, ranks):
-    # both layouts, FP8 with scales, combine with biases, cached dispatch, gradients, dispatch lanes
-    res = launch(ranks, EP_WORKER, args=("--suite", "cases,cache,gradne,lanes,config"), platform="cuda",
+    # both layouts, FP8 with scales, combine with biases, cached dispatch, gradients, dispatch sequences
+    res = launch(ranks, EP_WORKER, args=("--suite", "cases,cache,gradne,sequences,config"), platform="cuda",
                  timeout=_TIMEOUT, env=_shared())
     _ep_all_pass(res, ranks, min_checks=8)
 

@@ -10,9 +10,10 @@
 //
 // Every op has two targets: "jax_engram_ep_<op>" and "jax_engram_ep_<op>_graph" (Context cuda_graphs=True), the
 // same code, the latter marked command-buffer compatible so that XLA may capture it into a CUDA graph and replay it
-// without running the handler. Graph-target dispatches therefore keep no per-call host state: they run in
-// dispatch lane 1 (ep_layout.h), whose sequence lives on the device only, and never use copy-engine rows (the copy
-// stream's inbox half and flag values come from the host's count of lane-0 calls). Errors a replayed kernel finds
+// without running the handler. Graph-target dispatches therefore keep no per-call host state: they run in the
+// graph sequence (ep_layout.h EpSequence::kGraph), whose sequence number lives on the device only, and never use
+// copy-engine rows (the copy stream's inbox half and flag values come from the host's count of the stream
+// sequence's calls). Errors a replayed kernel finds
 // are recorded as always; with no handler run to report them they surface at ctx.check() or at the next op of the
 // context that runs its handler.
 #include <cuda_runtime_api.h>
@@ -90,19 +91,20 @@ ffi::Error make_window(Member& m, Allocation& st, int64_t offset, int32_t op, Ep
   return ffi::Error::Success();
 }
 
-// Launches one dispatch-type kernel. Graph targets (lane 1): the launch alone (no count, no copy-engine rows).
-// Other targets: kernels/cuda/ep_copy_engine.cc counts the call and adds the copy-engine rows when p.ce_pieces > 0.
+// Launches one dispatch-type kernel. Graph targets (the graph sequence): the launch alone (no count, no copy-engine
+// rows). Other targets (the stream sequence): kernels/cuda/ep_copy_engine.cc counts the call and adds the
+// copy-engine rows when p.ce_pieces > 0.
 ffi::Error launch_dispatch(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l, cudaStream_t stream,
                            EpDispatchLauncher launch, const char* what, bool graph) {
   constexpr int32_t op = kOpEpDispatch;
   JE_CHECK(note_capture(m, stream, graph, op, p.h_meta ? kCaptureCached : kCaptureDispatch));
   if (graph) {
-    p.lane = 1;
+    p.sequence = EpSequence::kGraph;
     p.ce_seq = 0;
     const cudaError_t e = launch(p, l, stream);
     return e == cudaSuccess ? ffi::Error::Success() : cuda_failure(op, what, e);
   }
-  const std::string err = ep_run_dispatch_lane0(m, sa, p, l, stream, launch, what);
+  const std::string err = ep_run_dispatch_stream(m, sa, p, l, stream, launch, what);
   return err.empty() ? ffi::Error::Success() : op_error(op, err, ffi::ErrorCode::kInternal);
 }
 

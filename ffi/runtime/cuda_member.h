@@ -23,10 +23,10 @@ struct CudaMemberState {
   cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
   // EP copy-engine dispatch (kernels/cuda/ep_copy_engine.cc): its copy stream (one: pieces on concurrent streams
   // share the link and each lands later, while the receivers wait for whole pieces), the fork (XLA's stream -> copy
-  // stream) and join events, and the host's count of lane-0 dispatch-type calls on this member (ep_layout.h
-  // "dispatch lanes"; the device's sequence number of the next one is ep_dispatch_calls + 1 as long as every such
-  // call launches its kernel: the kernel checks). Graph-target calls (lane 1) are not counted: XLA replays them
-  // without the handler.
+  // stream) and join events, and the host's count of the stream sequence's dispatch-type calls on this member
+  // (ep_layout.h "dispatch sequences"; the device's sequence number of the next one is ep_dispatch_calls + 1 as
+  // long as every such call launches its kernel: the kernel checks). Graph-target calls (the graph sequence) are
+  // not counted: XLA replays them without the handler.
   static constexpr int kEpCopyStreams = 1;
   cudaStream_t ep_copy_streams[kEpCopyStreams] = {};
   cudaEvent_t ep_fork = nullptr;

@@ -42,13 +42,18 @@ inline constexpr uint64_t kEpAlign = 128;  // every staging section starts on a 
 // used half p). A peer can therefore be in call n-1 or n only; calls of different configs (different
 // regions) share the counter, which is harmless (they never alias memory).
 //
-// Dispatch lanes (CUDA): dispatch-type calls run in one of two independent sequences, each with its own seq and
-// ready words. Lane 0: calls whose handler runs for every call (the copy-engine rows need the host to count the
-// calls: it picks the inbox half and the pieces' flag values by that count). Lane 1: calls XLA may capture into a
-// CUDA graph and replay without running the handler (Context cuda_graphs=True; SM stores only), so no host count
-// can follow them. A staging region belongs to one lane (its ctx.region key names the lane), so the argument
-// above holds per lane: "call n-1" is the lane's previous call, and the other lane's calls never touch its
-// regions. Combine has one sequence (its handler keeps no host state). The CPU backend uses lane 0 only.
+// Dispatch sequences (CUDA): dispatch-type calls run in one of two independent sequences (EpSequence), each with
+// its own seq and ready words. The stream sequence (kStream; kDispatchSeq, kDispatchReady): the ordinary targets,
+// launched on XLA's stream by a handler that runs for every call (the copy-engine rows need the host to count the
+// calls: it picks the inbox half and the pieces' flag values by that count). The graph sequence (kGraph;
+// kDispatchGraphSeq, kDispatchGraphReady): the graph targets, which XLA may capture into a CUDA graph and replay
+// without running the handler (Context cuda_graphs=True; SM stores only), so no host count can follow them. A
+// staging region belongs to one sequence (its ctx.region key names it: "stream" or "graph"), so the argument above
+// holds per sequence: "call n-1" is the sequence's previous call, and the other sequence's calls never touch its
+// regions. Combine has one sequence (its handler keeps no host state). The CPU backend uses the stream sequence
+// only.
+enum class EpSequence : int32_t { kStream = 0, kGraph = 1 };
+inline constexpr int kEpDispatchSequences = 2;
 struct EpWorkspace {
   static constexpr uint64_t kDispatchSeq = WorkspaceLayout::kEp + 0;
   static constexpr uint64_t kDispatchReady = WorkspaceLayout::kEp + 128;
@@ -60,13 +65,16 @@ struct EpWorkspace {
   static constexpr uint64_t kCombineBad = WorkspaceLayout::kEp + 768;
   static constexpr uint64_t kCombineBadDetail = WorkspaceLayout::kEp + 776;
   static constexpr uint64_t kCombineBadValue = WorkspaceLayout::kEp + 784;
-  static constexpr uint64_t kDispatchLane1Seq = WorkspaceLayout::kEp + 1024;
-  static constexpr uint64_t kDispatchLane1Ready = WorkspaceLayout::kEp + 1152;
+  static constexpr uint64_t kDispatchGraphSeq = WorkspaceLayout::kEp + 1024;
+  static constexpr uint64_t kDispatchGraphReady = WorkspaceLayout::kEp + 1152;
   static constexpr uint64_t kEnd = WorkspaceLayout::kEp + 2048;  // rest of the 4 MiB block: free (CUDA scratch)
-  JE_HD static constexpr uint64_t dispatch_seq(int lane) { return lane ? kDispatchLane1Seq : kDispatchSeq; }
-  JE_HD static constexpr uint64_t dispatch_ready(int lane) { return lane ? kDispatchLane1Ready : kDispatchReady; }
+  JE_HD static constexpr uint64_t dispatch_seq(EpSequence s) {
+    return s == EpSequence::kGraph ? kDispatchGraphSeq : kDispatchSeq;
+  }
+  JE_HD static constexpr uint64_t dispatch_ready(EpSequence s) {
+    return s == EpSequence::kGraph ? kDispatchGraphReady : kDispatchReady;
+  }
 };
-inline constexpr int kEpDispatchLanes = 2;
 static_assert(EpWorkspace::kEnd <= WorkspaceLayout::kEp + WorkspaceLayout::kEpBytes, "EP block overflow");
 
 // Bad-input details (kErrBadInput, ErrorRecord::detail): token * 64 + kind.

@@ -89,10 +89,12 @@ struct EpDispatchParams {
   int32_t smem_peer_topk = -1;
   // Copy-engine rows (see "copy-engine rows" below): 0 = the stage warps store x rows to the peers; P > 0 = the
   // handler's copy streams write them in P pieces, piece j flagged by inbox ce[j] = seq, and this call must have
-  // sequence number ce_seq (the host's count of lane-0 dispatch-type calls: the copies chose the half by it).
+  // sequence number ce_seq (the host's count of the stream sequence's dispatch-type calls: the copies chose the half
+  // by it).
   int32_t ce_pieces = 0;
   uint64_t ce_seq = 0;
-  int32_t lane = 0;  // the call's dispatch lane (ep_layout.h): its seq and ready words; lane 1 never has ce_pieces
+  // the call's dispatch sequence (ep_layout.h EpSequence): its seq and ready words; kGraph never has ce_pieces
+  EpSequence sequence = EpSequence::kStream;
   int32_t ce_taper = 0;  // piece sizes (ep_ce_piece_begin)
 };
 

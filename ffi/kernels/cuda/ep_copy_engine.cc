@@ -107,11 +107,11 @@ int ep_ce_policy(const CudaMemberState& st, int64_t R, int64_t M, int64_t K, int
 
 int ep_ce_taper(int pieces) { return pieces > 1 ? std::min(kEpCeTaper, 99 / (pieces - 1)) : 0; }
 
-std::string ep_run_dispatch_lane0(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
-                                  cudaStream_t stream, EpDispatchLauncher launch, const char* what) {
+std::string ep_run_dispatch_stream(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
+                                   cudaStream_t stream, EpDispatchLauncher launch, const char* what) {
   CudaMemberState& st = cuda_state(m);
   std::lock_guard<std::mutex> lock(st.ep_mu);
-  p.lane = 0;
+  p.sequence = EpSequence::kStream;
   p.ce_seq = st.ep_dispatch_calls + 1;
   EpCeTrace tr = p.ce_pieces > 0 ? EpCeTrace::begin(m) : EpCeTrace();
   tr.mark(EpCeTrace::kFork, stream);

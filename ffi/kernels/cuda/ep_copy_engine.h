@@ -1,6 +1,6 @@
 // Host orchestration of the CUDA dispatch (kernels/cuda/ep.h "copy-engine rows"): the copy-engine policy, the copies
-// and flags the member's copy stream writes beside the kernel, and the host's count of lane-0 dispatch-type calls
-// (ep_layout.h "dispatch lanes") that picks their inbox half and flag values.
+// and flags the member's copy stream writes beside the kernel, and the host's count of the stream sequence's
+// dispatch-type calls (ep_layout.h "dispatch sequences") that picks their inbox half and flag values.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -32,11 +32,11 @@ int ep_ce_taper(int pieces);
 
 using EpDispatchLauncher = cudaError_t (*)(EpDispatchParams, const EpLaunch&, cudaStream_t);
 
-// Runs one lane-0 dispatch-type call (full or cached dispatch; p.ce_pieces > 0: with copy-engine rows): takes its
-// sequence number from the member's count, forks the copy stream off XLA's stream and enqueues the rows there, launches
-// the kernel, counts the call and joins the copy stream back (x stays alive until the copies are done). `sa`: the
-// staging allocation. Returns "" or what failed.
-std::string ep_run_dispatch_lane0(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
-                                  cudaStream_t stream, EpDispatchLauncher launch, const char* what);
+// Runs one dispatch-type call of the stream sequence (EpSequence::kStream: not a graph target; full or cached
+// dispatch; p.ce_pieces > 0: with copy-engine rows): takes its sequence number from the member's count, forks the
+// copy stream off XLA's stream and enqueues the rows there, launches the kernel, counts the call and joins the copy
+// stream back (x stays alive until the copies are done). `sa`: the staging allocation. Returns "" or what failed.
+std::string ep_run_dispatch_stream(Member& m, const Allocation& sa, EpDispatchParams& p, const EpLaunch& l,
+                                   cudaStream_t stream, EpDispatchLauncher launch, const char* what);
 
 }  // namespace jax_engram

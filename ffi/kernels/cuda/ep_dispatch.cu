@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
   cache_peer_bases(p);
   if (tid == 0) {
     sh_t0 = cuda::globaltimer_ns();
-    sh_seq = enter_seq(ws, EpWorkspace::dispatch_seq(p.lane), EpScratch::kDispatchArrive);
+    sh_seq = enter_seq(ws, EpWorkspace::dispatch_seq(p.sequence), EpScratch::kDispatchArrive);
     trace_span_begin(trace, ws, sh_t0);
     sh_bad = ULLONG_MAX;
     sh_abort = 0;
@@ -676,7 +676,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     EP_TRACE(p, sh_t0, "dispatch pushed", lane == 0 && (warp == 0 || warp == SW - 1));
     bar_sync(1, SW * 32);
     if (tid == 0 && !iabort &&
-        staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::dispatch_ready(p.lane), seq) && trace > 1)
+        staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::dispatch_ready(p.sequence), seq) && trace > 1)
       printf("EPTRACE dispatch ready published rank %d cta %d: %.1f us (start %.1f)\n", me, c,
              (cuda::globaltimer_ns() - sh_t0) * 1e-3, (sh_t0 % 1000000000ull) * 1e-3);
     bar_sync(2, blockDim.x);  // receive tables built by the pull warps
@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_kernel(const EpDispatc
     EP_TRACE(p, sh_t0, "dispatch dst_row+counts", tid == 0);
     if (c == 0 && !iabort && !sh_abort) {  // a call ends only after every peer published its ready
       for (int s = tid; s < R; s += SW * 32)
-        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::dispatch_ready(p.lane)), seq, p.w, kOpEpDispatch, s);
+        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::dispatch_ready(p.sequence)), seq, p.w, kOpEpDispatch, s);
     }
     EP_TRACE(p, sh_t0, "dispatch end_wait", tid == 0);
     trace_span_end(trace, ws, &sh_done, "dispatch", me);
@@ -856,7 +856,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
   uint8_t* ws = p.w.ws_own;
   cache_peer_bases(p);
   if (tid == 0) {
-    sh_seq = enter_seq(ws, EpWorkspace::dispatch_seq(p.lane), EpScratch::kDispatchArrive);
+    sh_seq = enter_seq(ws, EpWorkspace::dispatch_seq(p.sequence), EpScratch::kDispatchArrive);
     if (c == 0 && p.token_out) *p.token_out = *p.token;
   }
   __syncthreads();
@@ -874,12 +874,12 @@ __global__ void __launch_bounds__(kEpThreads, 1) dispatch_cached_kernel(const Ep
     push_chunks(p, own, hoff, seq, t0, t1 - t0, min(t1, N), warp, SW, false,
                 [&](int t, int d) { return p.h_dst_row[static_cast<int64_t>(t) * R + d]; }, lane);
     bar_sync(1, SW * 32);
-    if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::dispatch_ready(p.lane), seq);
+    if (tid == 0) staged_arrive(ws, EpScratch::kDispatchStaged, EpWorkspace::dispatch_ready(p.sequence), seq);
     bar_sync(2, blockDim.x);
     if (p.expand && p.zero_padding) zero_padding_rows(p, tb, E_loc, SW);
     if (c == 0)
       for (int s = tid; s < R; s += SW * 32)
-        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::dispatch_ready(p.lane)), seq, p.w, kOpEpDispatch, s);
+        wait_ge(ws_u64(p.w.ws_peers[s], EpWorkspace::dispatch_ready(p.sequence)), seq, p.w, kOpEpDispatch, s);
     return;
   }
 

@@ -1,4 +1,4 @@
-"""EPConfig as custom-call attributes, the jit cache over token counts, interleaved dispatch lanes, and calls
+"""EPConfig as custom-call attributes, the jit cache over token counts, interleaved dispatch sequences, and calls
 after close."""
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def _cache_check(ctx):
     return ok, f"traces={len(traces)} cache={f._cache_size()} counts={counts}"
 
 
-def suite_lanes(ctx):
-    check("lanes_interleaved", lambda: _lanes_check(ctx))
+def suite_sequences(ctx):
+    check("sequences_interleaved", lambda: _sequences_check(ctx))
     check("call_after_close_fails_cleanly", _after_close_check)
 
 
@@ -155,11 +155,11 @@ def _after_close_check():
     return expect_error(lambda: jax.block_until_ready(f(xs, ids)), "closed")
 
 
-def _lanes_check(ctx):
+def _sequences_check(ctx):
     """Two configs interleaved in one jitted loop: a large one (on 2 GPUs the auto policy moves its rows with the
-    copy engine: dispatch lane 0, host-counted) and a small one (SM stores: with cuda_graphs, the graph targets and
-    lane 1, replayed without the handler). Each lane's sequence must stay whole whatever the other does (ep_layout.h
-    "dispatch lanes"). Checked: combine(dispatch(x)) and combine(cached dispatch(x2)) against numpy, every iteration's
+    copy engine: the stream sequence, host-counted) and a small one (SM stores: with cuda_graphs, the graph targets
+    and the graph sequence, replayed without the handler). Each sequence must stay whole whatever the other does
+    (ep_layout.h, EpSequence). Checked: combine(dispatch(x)) and combine(cached dispatch(x2)) against numpy, every iteration's
     result kept."""
     rng = np.random.default_rng(11)
     cfgs = {"big": dict(M=320, H=7168, E=32 * R, K=8), "small": dict(M=16, H=128, E=4 * R, K=4)}
