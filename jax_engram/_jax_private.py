@@ -66,3 +66,13 @@ def runtime_tokens():
     except ImportError as e:
         raise _missing("jax._src.dispatch.runtime_tokens", e) from None
     return tokens
+
+
+def tracing() -> bool:
+    """Whether a function is being traced (inside ``jax.jit``, ``jax.grad``, ...), whatever the arrays at hand are:
+    a concrete array captured by a jitted function is not a tracer, yet the call is staged."""
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError as e:
+        raise _missing("jax._src.core.trace_state_clean", e) from None
+    return not trace_state_clean()

@@ -45,13 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_engram import ep as _ep
+from jax_engram import _jax_private, ep as _ep
 from jax_engram.config import EngramConfig
-from jax_engram.context import Context
+from jax_engram.context import AnyContext
 from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramHashing", "engram_ids", "engram_gate_add", "engram_local", "engram_layer",
            "engram_layer_reference", "engram_prefetch", "start_before", "GlobalEngramPending", "engram_dequantize",
+           "engram_quantize",
            "EngramDecodeState", "engram_decode_init", "engram_decode_ids", "route", "moe_experts", "moe_local",
            "moe_layer", "moe_layer_reference",
            "init_moe_params", "init_engram_params", "put_global", "batch_spec", "moe_param_specs"]
@@ -168,6 +169,10 @@ def engram_decode_init(prompt: int | jax.Array, *, hashing: EngramHashing,
     :func:`engram_ids` (a prefill). lengths: optional int [B], the real length of each prompt (right padding
     after it; default S for every sequence). Returns an :class:`EngramDecodeState` whose next
     :func:`engram_decode_ids` gives the ids of position ``lengths`` (or S).
+
+    Inside ``shard_map``, a state made from the batch size is the same on every rank while the states after it
+    depend on each rank's tokens: mark it varying before carrying it through ``jax.lax.scan``
+    (``jax.lax.pcast(state, axis, to="varying")``); a state made from a per-rank prompt already is.
     """
     K = _decode_depth(hashing)
     if isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool):
@@ -260,6 +265,44 @@ def _dequantize(data: jax.Array, sf: Optional[jax.Array], memory_dim: int, sf_dt
     return x.reshape(data.shape)
 
 
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def engram_quantize(rows: jax.Array | np.ndarray, *, num_sf_packs: int, sf_dtype: Any = np.float32
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Rows as an FP8 Engram table stores them, the inverse of :func:`engram_dequantize` up to FP8 rounding.
+
+    rows [N, memory_dim] (any float dtype). Each row is cut into blocks that share one scale: ``num_sf_packs``
+    blocks with float32 scales (``amax / 448``), or ``4 * num_sf_packs`` blocks with int32 packs of UE8M0 exponents
+    (the power of two at or above ``amax / 448``). Returns ``(float8_e4m3fn [N, memory_dim], sf [N, num_sf_packs]
+    of sf_dtype)`` for ``EngramTable.write_global(rows, sf)``. An all-zero block gets the scale 1.
+    """
+    x = jnp.asarray(rows, jnp.float32)
+    if x.ndim != 2 or num_sf_packs < 1:
+        raise ValueError(f"engram_quantize: rows must be [num_rows, memory_dim] and num_sf_packs >= 1, got "
+                         f"{x.shape} and {num_sf_packs}")
+    packed = np.dtype(sf_dtype) == np.dtype(np.int32)
+    if not packed and np.dtype(sf_dtype) != np.dtype(np.float32):
+        raise TypeError(f"engram_quantize: sf_dtype must be float32 or int32 (packed UE8M0x4), got {sf_dtype!r}")
+    n, d = x.shape
+    blocks = 4 * num_sf_packs if packed else num_sf_packs
+    if d % blocks:
+        raise ValueError(f"engram_quantize: {blocks} scale blocks per row do not divide memory_dim {d}")
+    xb = x.reshape(n, blocks, d // blocks)
+    need = jnp.max(jnp.abs(xb), axis=-1) / _FP8_MAX                        # [n, blocks]: the smallest scale
+    if packed:
+        m, e = jnp.frexp(need)                                              # need = m * 2**e, m in [0.5, 1)
+        e = jnp.where(m == 0.5, e - 1, e)                                   # 2**e: the power of two at or above
+        biased = jnp.where(need > 0, jnp.clip(e + 127, 1, 254), 127).astype(jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+        sf = jax.lax.bitcast_convert_type(biased.astype(jnp.uint8).reshape(n, num_sf_packs, 4), jnp.int32)
+    else:
+        scale = jnp.where(need > 0, need, 1.0)
+        sf = scale
+    q = jnp.clip(xb / scale[..., None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn).reshape(n, d)
+    return q, sf.reshape(n, num_sf_packs)
+
+
 def engram_dequantize(data: jax.Array, sf: Optional[jax.Array], *, table: EngramTable) -> jax.Array:
     """The Engram layer's view of looked-up rows: data [..., I*memory_dim] as is without scale factors; with
     them (sf [..., I*P], "row" layout), float32 rows scaled per block: P float32 scales per row, each for
@@ -298,7 +341,7 @@ def start_before(x: Any, *pending: EngramPending | GlobalEngramPending) -> Any:
     return x
 
 
-def _inside_shard_map(ctx: Context) -> bool:
+def _inside_shard_map(ctx: AnyContext) -> bool:
     """True inside shard_map over the context's axis (local shapes), False outside any shard_map over it."""
     try:
         jax.lax.axis_size(ctx.axis_name)
@@ -360,7 +403,7 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
     if after is not None:
         raise ValueError(f"{where}: after= orders per-rank ops and is only accepted inside shard_map over "
                          f"{table.ctx.axis_name!r}")
-    if not isinstance(ids if token_ids is None else token_ids, jax.core.Tracer):
+    if not _jax_private.tracing():
         # Eagerly, the pending buffers would leave a finished program while (GPU) the reads still fill them.
         raise RuntimeError(f"{where}: call it inside the jitted step that also runs the layer consuming it "
                            "(jax.jit / nnx.jit), not eagerly: a pending lookup lives within one program")
@@ -529,7 +572,7 @@ def moe_experts(recv_x: jax.Array, w_up: jax.Array, w_down: jax.Array, group_siz
     return jax.lax.ragged_dot(activation(h), w_down.astype(jnp.float32), group_sizes)
 
 
-def moe_local(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_alignment: int = 8,
+def moe_local(params: Params, x: jax.Array, *, ctx: AnyContext, top_k: int, expert_alignment: int = 8,
               activation: Activation = jax.nn.gelu, max_tokens_per_rank: Optional[int] = None,
               num_tokens: Optional[jax.Array] = None, after: Optional[jax.Array] = None) -> jax.Array:
     """Per-rank MoE layer (inside ``shard_map`` over ``ctx``'s axis).
@@ -556,7 +599,7 @@ def _moe_specs(params: Params, ax) -> dict:
     return {k: (P(ax) if _MOE_SPECS.get(k) == "ep" else P()) for k in params}
 
 
-def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_alignment: int = 8,
+def moe_layer(params: Params, x: jax.Array, *, ctx: AnyContext, top_k: int, expert_alignment: int = 8,
               activation: Activation = jax.nn.gelu) -> jax.Array:
     """Expert-parallel MoE layer on global arrays.
 
@@ -570,7 +613,7 @@ def moe_layer(params: Params, x: jax.Array, *, ctx: Context, top_k: int, expert_
 
 
 @functools.lru_cache(maxsize=64)
-def _moe_fn(ctx: Context, top_k: int, expert_alignment: int, activation: Activation, keys: tuple[str, ...]):
+def _moe_fn(ctx: AnyContext, top_k: int, expert_alignment: int, activation: Activation, keys: tuple[str, ...]):
     ax = _axis(ctx)
 
     def body(p, xl):
@@ -639,7 +682,7 @@ def init_engram_params(key: jax.Array, *, hidden: int, memory_dim: int, num_head
             "w_value": (jax.random.normal(k2, (m, hidden)) / math.sqrt(m)).astype(dtype)}
 
 
-def put_global(a: Any, ctx: Context, spec: P) -> jax.Array:
+def put_global(a: Any, ctx: AnyContext, spec: P) -> jax.Array:
     """A host value that every process holds in full -> a global jax.Array on ``ctx.mesh`` with ``spec``
     (works with several processes, where ``jax.device_put`` of a host array cannot address remote devices)."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -648,11 +691,11 @@ def put_global(a: Any, ctx: Context, spec: P) -> jax.Array:
     return jax.make_array_from_callback(a.shape, NamedSharding(ctx.mesh, spec), lambda idx: a[idx])
 
 
-def batch_spec(ctx: Context) -> P:
+def batch_spec(ctx: AnyContext) -> P:
     """The PartitionSpec of the batch axis the global layers expect: every mesh axis, the context's last."""
     return _batch_spec(ctx)
 
 
-def moe_param_specs(params: Params, ctx: Context) -> dict[str, P]:
+def moe_param_specs(params: Params, ctx: AnyContext) -> dict[str, P]:
     """The PartitionSpecs :func:`moe_layer` expects: experts over ``ctx``'s axis, the router replicated."""
     return _moe_specs(params, _axis(ctx))

@@ -44,7 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("jax_engram.nn needs Flax (NNX): pip install 'jax-engram[nn]' (or pip install flax)") from e
 
 from jax_engram import layers as L
-from jax_engram.context import Context
+from jax_engram.context import AnyContext
 from jax_engram.engram import EngramPending, EngramTable
 
 __all__ = ["EngramMemory", "MoE"]
@@ -60,13 +60,19 @@ class EngramMemory(nnx.Module):
 
     Args:
       hidden: H, the model width.
-      ctx: the :class:`jax_engram.Context` (the EP group the table is sharded over).
+      ctx: the context from :func:`jax_engram.init` (the EP group the table is sharded over; one mesh axis or
+        ``("node", "gpu")``).
       memory_dim: elements per table row (each head's embedding width).
       buckets_per_head: rows each (order, hash head) addresses; the table has
         ``buckets_per_head * hashing.num_heads`` rows (rounded up to a multiple of the ranks).
       hashing: n-gram orders and hash heads (default 2- and 3-grams, 4 heads each).
       placement: ``"host"`` (host memory, read over PCIe/C2C on GPUs) or ``"device"`` (HBM).
-      table_dtype: bfloat16, float16 or float32.
+      table_dtype: bfloat16, float16, float32 or float8_e4m3fn (FP8 rows with per-block scale factors: the
+        module quantizes the rows it writes with :func:`jax_engram.layers.engram_quantize`, and the layer scales
+        the rows it reads back).
+      num_sf_packs: scale-factor packs per row of an FP8 table (default 1: one float32 scale per row, or with
+        ``sf_dtype=int32`` four UE8M0 exponents, one per quarter row); 0 otherwise.
+      sf_dtype: float32 scales or int32 packs of UE8M0 exponents (FP8 tables).
       table_init_scale: the initial rows are normal(0, table_init_scale) (ignored with ``table_rows``).
       table_rows: optional initial rows [num_rows, memory_dim] (host array, the same on every process).
       rngs: ``nnx.Rngs`` for the parameters and the initial table.
@@ -77,16 +83,19 @@ class EngramMemory(nnx.Module):
     None]))`` with x [B, 1, H] (state from :func:`jax_engram.layers.engram_decode_init`).
     """
 
-    def __init__(self, hidden: int, *, ctx: Context, memory_dim: int = 64, buckets_per_head: int = 1 << 14,
+    def __init__(self, hidden: int, *, ctx: AnyContext, memory_dim: int = 64, buckets_per_head: int = 1 << 14,
                  hashing: L.EngramHashing = L.EngramHashing(), placement: Literal["host", "device"] = "host",
-                 table_dtype: Any = jnp.bfloat16, table_init_scale: float = 1.0,
-                 table_rows: Optional[np.ndarray] = None, rngs: nnx.Rngs):
+                 table_dtype: Any = jnp.bfloat16, num_sf_packs: Optional[int] = None, sf_dtype: Any = np.float32,
+                 table_init_scale: float = 1.0, table_rows: Optional[np.ndarray] = None, rngs: nnx.Rngs):
         self.ctx = ctx
         self.hashing = hashing
         R = ctx.num_ranks
         rows = buckets_per_head * hashing.num_heads
         num_entries = -(-rows // R)
-        self.table = EngramTable(num_entries, memory_dim, table_dtype, ctx=ctx, placement=placement)
+        if num_sf_packs is None:
+            num_sf_packs = 1 if np.dtype(table_dtype) == np.dtype(jnp.float8_e4m3fn) else 0
+        self.table = EngramTable(num_entries, memory_dim, table_dtype, ctx=ctx, placement=placement,
+                                 num_sf_packs=num_sf_packs, sf_dtype=sf_dtype)
         if table_rows is None:
             rng = np.random.default_rng(_seed(rngs))
             table_rows = rng.standard_normal((R * num_entries, memory_dim), np.float32) * table_init_scale
@@ -95,20 +104,30 @@ class EngramMemory(nnx.Module):
         self.w_key = nnx.Param(L.put_global(p["w_key"], ctx, P()))
         self.w_value = nnx.Param(L.put_global(p["w_value"], ctx, P()))
 
-    def write_table(self, rows: np.ndarray | jax.Array) -> None:
+    def write_table(self, rows: np.ndarray | jax.Array, sf: np.ndarray | jax.Array | None = None) -> None:
         """Collective: replace the table's rows ([table.total_entries, memory_dim]; a host array is cast to the
-        table's dtype; fewer rows are padded with zeros)."""
+        table's dtype; fewer rows are padded with zeros). FP8 tables: give the rows as numbers (any float dtype;
+        quantized here with :func:`jax_engram.layers.engram_quantize`), or already quantized float8_e4m3fn rows
+        with their scale factors ``sf`` [table.total_entries, num_sf_packs]."""
         t = self.table
         if np.ndim(rows) != 2 or np.shape(rows)[1] != t.hidden:
             raise ValueError(f"EngramMemory.write_table: rows must be [num_rows, memory_dim={t.hidden}], got "
                              f"{np.shape(rows)}")
-        if not isinstance(rows, jax.Array):
+        if not isinstance(rows, jax.Array) and np.shape(rows)[0] < t.total_entries:
             rows = np.asarray(rows)
-            if rows.shape[0] < t.total_entries:
-                rows = np.concatenate([rows, np.zeros((t.total_entries - rows.shape[0],) + rows.shape[1:],
-                                                      rows.dtype)])
-            rows = rows.astype(t.dtype)
-        jax.block_until_ready(t.write_global(rows))
+            rows = np.concatenate([rows, np.zeros((t.total_entries - rows.shape[0],) + rows.shape[1:], rows.dtype)])
+        if t.num_sf_packs and sf is None:
+            if np.dtype(rows.dtype) == np.dtype(jnp.float8_e4m3fn):
+                raise ValueError("EngramMemory.write_table: float8_e4m3fn rows need their scale factors sf "
+                                 f"[{t.total_entries}, {t.num_sf_packs}] (or give the rows as numbers)")
+            rows, sf = L.engram_quantize(np.asarray(rows, np.float32), num_sf_packs=t.num_sf_packs,
+                                         sf_dtype=t.sf_dtype)
+            rows, sf = np.asarray(rows), np.asarray(sf)
+        elif sf is not None and not t.num_sf_packs:
+            raise ValueError("EngramMemory.write_table: this table has no scale factors (num_sf_packs=0)")
+        if not isinstance(rows, jax.Array):
+            rows = np.asarray(rows).astype(t.dtype)
+        jax.block_until_ready(t.write_global(rows, sf))
 
     def prefetch(self, token_ids: Optional[jax.Array] = None, *, ids: Optional[jax.Array] = None,
                  mode: L.EngramMode = "fill") -> EngramPending | L.GlobalEngramPending:
@@ -137,7 +156,7 @@ class MoE(nnx.Module):
       hidden, ffn: model width and expert intermediate width.
       num_experts: a multiple of ``ctx.num_ranks`` (each rank holds num_experts / ranks).
       top_k: experts per token.
-      ctx: the :class:`jax_engram.Context` (the EP group).
+      ctx: the context from :func:`jax_engram.init` (the EP group; one mesh axis or ``("node", "gpu")``).
       expert_alignment: rows per expert segment are padded to a multiple of it.
       activation: the expert nonlinearity (default gelu).
       param_dtype: dtype of the parameters (the GEMMs run in float32).
@@ -148,7 +167,7 @@ class MoE(nnx.Module):
     Call: ``moe(x)`` with x [B, ..., hidden] (B a multiple of the ranks) -> same shape and dtype.
     """
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ctx: Context,
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ctx: AnyContext,
                  expert_alignment: int = 8, activation: L.Activation = jax.nn.gelu, param_dtype: Any = jnp.float32,
                  rngs: nnx.Rngs):
         if num_experts % ctx.num_ranks:

@@ -1,7 +1,9 @@
 """Engram prefetch (tests/workers/prefetch_check.py): wait's ordering argument under jax.grad, two prefetched
-layers and their gradients against the pure-JAX reference, the layers inside a user's shard_map, a Flax NNX
-model with two EngramMemory layers jitted as a whole, the decode form, FP8 + scale factors, the gate's
-memory_dim check. One process with 4 CPU devices."""
+layers and their gradients against the pure-JAX reference (in a global program and inside a user's shard_map),
+the layers inside a user's shard_map, a Flax NNX model with two EngramMemory layers jitted as a whole, FP8
+EngramMemory layers, the decode form (also as a lax.scan generation loop), FP8 + scale factors and their
+quantization, checked mode through a prefetch, token ids captured by the jitted step, the gate's memory_dim check.
+One process with 4 CPU devices."""
 from __future__ import annotations
 
 import json

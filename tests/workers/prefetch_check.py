@@ -38,7 +38,9 @@ from _harness import Checks  # noqa: E402
 NAMES = ["wait_after_under_grad", "two_prefetched_layers_grad_vs_reference", "modes_and_padding_through_prefetch",
          "layers_inside_user_shard_map", "nnx_two_memories_prefetch_value_and_grad", "decode_ids_match_full_sequence",
          "decode_prefetch_layer", "dequantize_semantics", "memory_dim_mismatch_raises", "misuse_errors",
-         "hierarchical_context_prefetch_grad"]
+         "hierarchical_context_prefetch_grad", "two_prefetched_layers_grad_inside_user_shard_map",
+         "decode_prefetch_in_scan", "checked_mode_through_prefetch", "captured_token_ids_in_jit",
+         "quantize_roundtrip", "nnx_fp8_memory_prefetch"]
 if args.list:
     print("\n".join(NAMES))
     sys.exit(0)
@@ -382,6 +384,8 @@ def _():
     # A (node, gpu) context (2 x 2 here): the same layer calls; its wait takes the ordering argument too.
     mesh2 = jax.make_mesh((2, R // 2), ("node", "gpu"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     ctx2 = je.init(mesh2, ("node", "gpu"), timeout_s=60.0)
+    live = je.live_contexts()
+    assert any(c is ctx2 for c in live) and not any(c is ctx2.inner for c in live), live  # what the user holds
     try:
         t = je.EngramTable(16, 8, jnp.float32, ctx=ctx2, placement="device")
         rows = rng.standard_normal((t.total_entries, 8)).astype(np.float32)
@@ -406,6 +410,151 @@ def _():
             assert rel(gp[k], rgp[k]) <= 1e-5, (k, rel(gp[k], rgp[k]))
     finally:
         ctx2.close()
+    assert not any(c is ctx2 or c is ctx2.inner for c in je.live_contexts())
+
+
+@check("two_prefetched_layers_grad_inside_user_shard_map")
+def _():
+    # Both layers prefetched and consumed inside the user's own shard_map (local shapes), differentiated there: the
+    # per-rank loss and gradients, summed over ranks, against the pure-JAX model.
+    def body(p, x, t):
+        def loss(p, x):
+            pend1 = L.engram_prefetch(T1, t, hashing=H1)
+            pend2 = L.engram_prefetch(T2, t, hashing=H2)
+            x = L.start_before(x, pend1, pend2)
+            return two_layer_loss(lambda q, h, _: L.engram_layer(q, h, table=T1, hashing=H1, pending=pend1),
+                                  lambda q, h, _: L.engram_layer(q, h, table=T2, hashing=H2, pending=pend2))(p, x, t)
+
+        v, (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+        return jax.lax.psum(v, "ep"), gp, gx  # gp: the replicated parameters' gradients, summed over ranks by JAX
+
+    v, gp, gx = smap(body, (P(), P("ep"), P("ep")), (P(), P(), P("ep")))(params_g, put(x_h), put(tok_h))
+    reference = two_layer_loss(
+        lambda q, h, t: L.engram_layer_reference(q, h, t, table_rows=rows1, sf_rows=sf1, num_ranks=R, hashing=H1),
+        lambda q, h, t: L.engram_layer_reference(q, h, t, table_rows=rows2, sf_rows=sf2, num_ranks=R, hashing=H2))
+    rv, (rgp, rgx) = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(params_h, x_h, tok_h)
+    assert rel(v, rv) <= 1e-5 and rel(gx, rgx) <= 1e-5, (rel(v, rv), rel(gx, rgx))  # summation order only
+    for k, g in jax.tree_util.tree_leaves_with_path(gp):
+        r = rgp
+        for part in k:
+            r = r[part.key]
+        assert rel(g, r) <= 1e-5 and float(np.abs(np.asarray(g)).max()) > 0, (jax.tree_util.keystr(k), rel(g, r))
+
+
+@check("decode_prefetch_in_scan")
+def _():
+    # A generation loop as lax.scan: every step derives its ids from the carried state, prefetches, and consumes
+    # them at the layer; each step's output equals the full-sequence layer's row at that position. Global arrays,
+    # then inside a user's shard_map (where a state made from the batch size is marked varying over the axis).
+    want = L.engram_layer_reference(p1, x_h, tok_h, table_rows=rows1, sf_rows=sf1, num_ranks=R, hashing=H1)
+
+    def generate(p, tok, x, state):
+        def step(state, inp):
+            t, xt = inp
+            ids, state = L.engram_decode_ids(state, t, hashing=H1, total_entries=T1.total_entries)
+            y = L.engram_layer(p, xt[:, None], table=T1, hashing=H1, pending=L.engram_prefetch(T1, ids=ids[:, None]))
+            return state, y[:, 0]
+
+        _, ys = jax.lax.scan(step, state, (tok.T, jnp.swapaxes(x, 0, 1)))
+        return jnp.swapaxes(ys, 0, 1)
+
+    state = jax.tree.map(lambda a: put(np.asarray(a)), L.engram_decode_init(B, hashing=H1))
+    out = jax.jit(generate)(params_g["e1"], put(tok_h), put(x_h), state)
+    assert out.shape == want.shape and rel(out, want) <= 1e-6, rel(out, want)
+
+    def body(p, tok, x):
+        state = jax.lax.pcast(L.engram_decode_init(tok.shape[0], hashing=H1), ("ep",), to="varying")
+        return generate(p, tok, x, state)
+
+    out = smap(body, (P(), P("ep"), P("ep")), P("ep"))(params_g["e1"], put(tok_h), put(x_h))
+    assert rel(out, want) <= 1e-6, rel(out, want)
+
+
+@check("checked_mode_through_prefetch")
+def _():
+    # mode="checked" through a prefetch: valid ids give fill's rows; an out-of-range id fails that call with the
+    # op's message, once, and the table's next call works (nothing left behind).
+    def body(ids):
+        return T2.wait(L.engram_prefetch(T2, ids=ids, mode="checked"))
+
+    f = smap(body, P("ep"), (P("ep"), P("ep")))
+    good = rng.integers(-1, T2.total_entries, (B, S, 3)).astype(np.int32)
+    data, sf = f(put(good))
+    rd, rs = ref.engram_lookup(rows2.reshape(R, -1, D2), good.reshape(B * S, 3), mode="fill", sf_table=sf2)
+    assert np.array_equal(np.asarray(data).view(np.uint8), np.asarray(rd).view(np.uint8))
+    assert np.array_equal(np.asarray(sf), np.asarray(rs))
+    bad = good.copy()
+    bad[B - 1, 2, 1] = T2.total_entries + 7
+    raises(lambda: jax.block_until_ready(f(put(bad))), Exception, f"id {T2.total_entries + 7}")
+    data, _ = f(put(good))
+    assert np.array_equal(np.asarray(data).view(np.uint8), np.asarray(rd).view(np.uint8))
+    ctx.check()
+
+
+@check("captured_token_ids_in_jit")
+def _():
+    # Token ids that the jitted step captures (a concrete array, not an argument) are staged like any other.
+    tok = put(tok_h)
+    out = jax.jit(lambda p, x: L.engram_layer(p, x, table=T1, hashing=H1,
+                                              pending=L.engram_prefetch(T1, tok, hashing=H1)))(params_g["e1"],
+                                                                                               put(x_h))
+    want = jax.jit(lambda p, x, t: L.engram_layer(p, x, t, table=T1, hashing=H1))(params_g["e1"], put(x_h), tok)
+    assert np.array_equal(np.asarray(out), np.asarray(want))
+
+
+@check("quantize_roundtrip")
+def _():
+    # engram_quantize against engram_dequantize: every block's largest element lands at [224, 448] of the FP8 range
+    # (exactly 448 with float32 scales), every element within FP8's half step of its value (normals), UE8M0 scales
+    # are powers of two, an all-zero row stays zero with the scale 1.
+    x = (rng.standard_normal((64, 8)) * np.exp2(rng.integers(-30, 30, (64, 1)))).astype(np.float32)
+    x[5] = 0
+    for packs, sdt in ((1, np.float32), (2, np.float32), (1, np.int32), (2, np.int32)):
+        q, sf = L.engram_quantize(x, num_sf_packs=packs, sf_dtype=sdt)
+        assert q.dtype == jnp.float8_e4m3fn and sf.shape == (64, packs) and sf.dtype == sdt
+        blocks = 4 * packs if sdt == np.int32 else packs
+        if sdt == np.int32:
+            e = np.asarray(sf).view(np.uint8).reshape(64, blocks).astype(np.int64)
+            scale = np.exp2(e - 127.0)
+        else:
+            scale = np.asarray(sf, np.float64)
+        qb = np.abs(np.asarray(q, np.float64)).reshape(64, blocks, -1)
+        xb = np.abs(x.astype(np.float64)).reshape(64, blocks, -1)
+        amax_q = qb.max(-1)
+        nz = xb.max(-1) > 0
+        assert np.all(amax_q[nz] <= 448) and np.all(amax_q[nz] >= (224 if sdt == np.int32 else 448)), (packs, sdt)
+        assert np.all(scale[~nz] == 1) and np.all(qb[~nz] == 0)
+        y = np.asarray(L.engram_dequantize(q, sf, table=T2 if sdt == np.float32 else T1),  # tables of width 8
+                       np.float64).reshape(64, blocks, -1)
+        normal = xb >= scale[..., None] * 2.0 ** -6
+        err = np.abs(np.abs(y) - xb)
+        assert np.all(err[normal] <= xb[normal] * 2.0 ** -4 * (1 + 1e-6)), (packs, sdt, float(err[normal].max()))
+
+
+@check("nnx_fp8_memory_prefetch")
+def _():
+    # An FP8 EngramMemory (float32 scales, then packed UE8M0 ones): the module quantizes the rows it writes; the
+    # prefetched layer equals the layer looked up in place, bit for bit, and the pure-JAX layer on the rows and
+    # scales read back from the table.
+    from flax import nnx
+
+    from jax_engram.nn import EngramMemory
+
+    for packs, sdt in ((None, np.float32), (2, np.int32)):
+        mem = EngramMemory(H, ctx=ctx, memory_dim=8, buckets_per_head=16, hashing=H1, rngs=nnx.Rngs(9),
+                           table_dtype=jnp.float8_e4m3fn, num_sf_packs=packs, sf_dtype=sdt)
+        t = mem.table
+        assert t.num_sf_packs == (packs or 1) and t.dtype == np.dtype(jnp.float8_e4m3fn)
+        x, tok = put(x_h), put(tok_h)
+        a = nnx.jit(lambda m, x, tok: m(x, pending=m.prefetch(tok)))(mem, x, tok)
+        b = nnx.jit(lambda m, x, tok: m(x, tok))(mem, x, tok)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), (packs, sdt)
+        rows, sf = t.lookup_global(np.arange(t.total_entries, dtype=np.int32)[:, None])
+        q = {"w_key": np.asarray(mem.w_key[...]), "w_value": np.asarray(mem.w_value[...])}
+        want = L.engram_layer_reference(q, x_h, tok_h, table_rows=np.asarray(rows), sf_rows=np.asarray(sf),
+                                        num_ranks=R, hashing=H1)
+        assert rel(a, want) <= 1e-6, (packs, sdt, rel(a, want))
+    raises(lambda: mem.write_table(np.zeros((4, 8), jnp.float8_e4m3fn)), ValueError, "scale factors")
 
 
 print("RESULT " + json.dumps({"checks": checks.results, "devices": R}), flush=True)
