@@ -2,6 +2,11 @@
 attributes, so a configuration is part of the jit cache key (no environment variables on the hot path).
 
 One section per op family; each section is self-contained (its own types, validation and attribute mapping).
+
+Terms: an SM (streaming multiprocessor) is one of the GPU's compute units (132 on an H200); a CTA (cooperative
+thread array, a CUDA thread block) runs on one SM, so "N SMs" means a kernel of N resident CTAs; TMA (Tensor
+Memory Accelerator) is the per-SM unit that copies whole blocks between global and shared memory (``cp.async.bulk``);
+the copy engine is the GPU's DMA unit (``cudaMemcpyAsync``).
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ _MAX_HOST_THREADS = 256        # engram_layout.h kMaxHostThreads
 @dataclasses.dataclass(frozen=True)
 class EngramConfig:
     """How an :class:`~jax_engram.EngramTable`'s fetches run on the GPU (on CPU only validated, except
-    ``host_threads``: the CPU backend's fetch always gathers on its host gather pool and waits for it).
+    ``host_threads``: the CPU backend's fetch always gathers on its host gather pool and waits for it). SM, CTA,
+    TMA and the copy engine: see :mod:`jax_engram.config`.
 
     Attributes:
       fetch_gather: gather of an overlapped ``fetch`` (``overlap=True``, side stream). Default ``"tma"``: the
@@ -62,8 +68,8 @@ class EngramConfig:
         for an overlapped ``fetch`` (the model's kernels keep every SM); for ``lookup`` the GPU gather while the
         per-rank shard is at most 1 GiB (where the GPU's reads of host memory are fast), else CPU threads. Device
         tables always use the GPU gather. The CPU backend always gathers on its worker threads.
-      host_threads: worker threads of the member's host gather pool; 0 = the backend's default (CUDA: up to 8, where
-        the gather + copy pipeline peaks; CPU backend: up to 4). The pool only grows.
+      host_threads: worker threads of the member's host gather pool; 0 = the backend's default (CUDA: three
+        quarters of the cores, at most 12, where the gather + copy pipeline peaks; CPU backend: up to 4). The pool only grows.
     """
 
     fetch_gather: EngramGather = "tma"

@@ -617,9 +617,9 @@ class HierContext:
         _live.discard(self.inner)  # listed once, as what the user holds
         _live.add(self)
 
-    # The node axis as jax.lax collectives take it (a name or a tuple of names).
     @property
     def node_axis(self):
+        """The node axes as ``jax.lax`` collectives take them (a name, or a tuple of names)."""
         return self.node_axes[0] if len(self.node_axes) == 1 else self.node_axes
 
     @property
@@ -651,11 +651,14 @@ class HierContext:
         the intra-node legs of the hierarchical ops."""
         return self.inner.graph_captures()
 
-    def dispatch_path(self, **kw) -> str:
-        """How the intra-node leg of ``dispatch`` moves rows (see ``Context.dispatch_path``)."""
-        return self.inner.dispatch_path(**kw)
+    def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
+                      config: EPConfig | None = None) -> str:
+        """How the intra-node leg of ``dispatch`` moves rows (see :meth:`Context.dispatch_path`)."""
+        return self.inner.dispatch_path(max_tokens_per_rank=max_tokens_per_rank, hidden_bytes=hidden_bytes,
+                                        topk=topk, num_experts=num_experts, config=config)
 
-    def region(self, *a, **k):
+    def region(self, nbytes: int, placement: str = "device", *, key: Any = None, what: str = "buffer") -> Region:
+        """Not available: a hierarchical context owns no symmetric memory (use ``ctx.inner``'s)."""
         raise NotImplementedError("jax_engram: a hierarchical (node, local) context has no symmetric memory of its "
                                   "own; Engram tables and EP buffers live in its per-node inner context "
                                   "(ctx.inner); barrier / ring_exchange need a flat context")
@@ -694,9 +697,11 @@ class HierContext:
 
     # ------------------------------------------------------------------------------------- in shard_map
     def node_index(self):
+        """This rank's node (int32 scalar; inside ``shard_map`` over the group's axes)."""
         return jax.lax.axis_index(self.node_axis).astype(jnp.int32)
 
     def local_index(self):
+        """This rank's position inside its node (int32 scalar; inside ``shard_map`` over the group's axes)."""
         return jax.lax.axis_index(self.local_axis).astype(jnp.int32)
 
     def varying(self, x):
@@ -735,7 +740,8 @@ class AnyContext(Protocol):
 
     def info(self) -> dict: ...
 
-    def dispatch_path(self, **kw) -> str: ...
+    def dispatch_path(self, *, max_tokens_per_rank: int, hidden_bytes: int, topk: int, num_experts: int,
+                      config: EPConfig | None = None) -> str: ...
 
     def close(self) -> None: ...
 

@@ -53,9 +53,10 @@ Semantics (``docs/semantics.md``, "Engram"; the reference is
   for small lookups. Rows whose size (or whose table offset / output address) is not a multiple of 16 bytes
   cannot move by bulk copies: there the "tma" choice runs the vector gather capped at ``num_sms`` CTAs.
   Results are identical bit for bit whichever gather runs.
-* No kernel is specialised on T, I, hidden or num_entries: the jitted program's custom calls carry the
-  same attributes for every T (XLA still compiles one executable per distinct input shape, as for any
-  jitted function; DeepEP JIT-compiles a kernel per (num_entries, hidden, I, num_qps) instead).
+* No kernel is specialised on T, I, hidden or num_entries: the kernels read them from the buffers' shapes, not
+  from attributes (XLA still compiles one executable per distinct input shape, as for any jitted function;
+  DeepEP JIT-compiles a kernel per (num_entries, hidden, I, num_qps) instead). An overlapped fetch's attributes
+  name its call site (``slot``), so that its wait waits for that fetch alone.
 """
 from __future__ import annotations
 
@@ -375,9 +376,11 @@ class EngramTable:
         ``overlap`` (GPU): run the reads on the member's side stream so that XLA work placed between fetch
         and wait overlaps them (False: on XLA's stream, the lowest latency when nothing is in between; this
         is what ``lookup`` does). No effect on CPU, where fetch reads synchronously.
-        ``config``: overrides the table's :class:`EngramConfig` for this call; the gather is
-        ``config.fetch_gather`` with ``overlap=True`` (default: bulk copies on ``config.num_sms`` SMs) and
-        ``config.lookup_gather`` without (default: the full-grid gather).
+        ``config``: overrides the table's :class:`EngramConfig` for this call. Who moves the rows of a host table
+        is ``config.host_gather`` (default ``"auto"``: CPU threads for an overlapped fetch, no SMs); where the GPU
+        gathers (device tables, or host tables it is asked to), the gather is ``config.fetch_gather`` with
+        ``overlap=True`` (default: bulk copies on ``config.num_sms`` SMs) and ``config.lookup_gather`` without
+        (default: the full-grid gather).
         """
         if self._hier is not None:
             return self._fetch_hierarchical(indices, after, mode, sf_layout, config)

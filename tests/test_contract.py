@@ -58,7 +58,8 @@ def test_errors_raised_as_documented_once_and_not_at_exit(kind, where):
 
 
 def test_public_api_has_docstrings_and_real_signatures():
-    """What help(jax_engram) shows a new user: every public callable and Context method has its own docstring
+    """What help(jax_engram) shows a new user: every public callable, Context and HierContext method and property has
+    its own docstring
     (not a source comment) and a signature with its real parameters (no bare *args, **kwargs)."""
     import inspect
 
@@ -68,9 +69,10 @@ def test_public_api_has_docstrings_and_real_signatures():
         return list(inspect.signature(fn).parameters.values())
 
     names = [n for n in je.__all__ if callable(getattr(je, n)) and not n.startswith("_")]
-    methods = [getattr(je.Context, n) for n in vars(je.Context) if not n.startswith("_")
-               and callable(getattr(je.Context, n))]
-    assert len(names) >= 15 and len(methods) >= 10, (names, methods)
+    methods = [v.fget if isinstance(v, property) else getattr(cls, n)
+               for cls in (je.Context, je.HierContext) for n, v in vars(cls).items()
+               if not n.startswith("_") and (callable(getattr(cls, n)) or isinstance(v, property))]
+    assert len(names) >= 15 and len(methods) >= 24, (names, methods)
     for obj in [getattr(je, n) for n in names] + methods:
         doc = inspect.getdoc(obj)
         assert doc and len(doc) > 20, f"{obj} has no docstring"
