@@ -427,3 +427,34 @@ def test_bench_ep_one_rank_cpu_run(tmp_path):
     assert res["hbm_rw_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])
     assert res["checks"] and all(v for c in res["checks"].values() for v in c.values()), res["checks"]
     assert "ours == native in every shape" in p.stdout
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_ep_plot_draws_the_p2p_ceiling_on_gpus_only(tmp_path, backend, monkeypatch):
+    """plot_ep draws the same run's P2P copy as a ceiling on GPUs; a CPU run's device_put between CPU devices is no
+    such ceiling and is not drawn."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from jax_engram.bench import report
+
+    drawn = []
+    orig = Axes.axhline
+
+    def spy(self, y=0, *a, **k):
+        drawn.append((y, k.get("label")))
+        return orig(self, y, *a, **k)
+
+    monkeypatch.setattr(Axes, "axhline", spy)
+    runs = [{"tokens": t, "dtype": "bf16", "layout": "nonexpand", "row_bytes": 128, "remote_rows": 10, "hidden": 64,
+             "dispatch_us": 10.0, "combine_us": 12.0, "dispatch_physical_gbps": 1.0, "combine_physical_gbps": 1.0}
+            for t in (8, 16)]
+    res = {"env": {"backend": backend, "device_kind": backend}, "args": {"hidden": 64, "topk": 2, "experts": 8},
+           "ranks": 2, "ceiling": {"one_way": {"gbps": 7.5}}, "runs": runs, "baselines": {}}
+    paths = report.plot_ep(res, str(tmp_path))
+    assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
+    want = [(7.5, "ceiling: P2P copy, one way")] * 2 if backend == "gpu" else []
+    assert drawn == want, drawn

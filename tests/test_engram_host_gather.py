@@ -1,7 +1,7 @@
 """The Engram host gather pool (issue 27): the CPU backend's fetches run on it, so CI checks the routine and the
 pool that the CUDA host-table path uses (tests/workers/engram_host_check.py does the work): bit-exact against the
 reference (modes, padding, FP8 + sf in both layouts, odd row sizes, R = 1 and 3 devices of one process and
-2 processes, 1 and 3 threads), two
+2 and 3 processes, 1 and 3 threads), two
 pending fetches with their own slots, thread lifecycle, a worker failure, the config rule and the host
 measurement helpers.
 
@@ -43,10 +43,11 @@ def test_host_gather_pool_cpu(ranks, threads):
                 env={"JAX_PLATFORMS": "cpu"}))
 
 
-def test_host_gather_pool_two_processes_cpu(launch):
-    # peers' shards mapped from another process (imported memfds) are read by the same workers
-    res = launch(2, str(WORKER), platform="cpu", timeout=600)
-    assert len(res) == 2 and all(not r["failed"] and len(r["passed"]) >= 9 for r in res), res
+@pytest.mark.parametrize("processes", [2, 3])
+def test_host_gather_pool_processes_cpu(launch, processes):
+    # peers' shards mapped from other processes (imported memfds) are read by the same workers
+    res = launch(processes, str(WORKER), platform="cpu", timeout=600)
+    assert len(res) == processes and all(not r["failed"] and len(r["passed"]) >= 9 for r in res), res
 
 
 @pytest.mark.gpu(1)

@@ -250,7 +250,9 @@ def plot_ep(res: dict, out_dir: str, prefix: str = "ep") -> list[str]:
     for r in runs:  # the first run of a (tokens, dtype, layout) is the default SM count and dispatch path
         default_sms.setdefault((r["tokens"], r["dtype"], r["layout"]), r)
     main = list(default_sms.values())
-    c1 = (res.get("ceiling") or {}).get("one_way", {}).get("gbps")
+    # the P2P ceiling is a GPU figure: a CPU run's device_put between CPU devices is not drawn as one
+    gpu = env.get("backend") not in (None, "cpu")
+    c1 = (res.get("ceiling") or {}).get("one_way", {}).get("gbps") if gpu else None
     # baselines move bf16 rows with the same routing as our bf16 runs: same physical bytes per token count
     phys = {r["tokens"]: r["row_bytes"] * r["remote_rows"] for r in main if r["dtype"] == "bf16"}
     comb_phys = {r["tokens"]: r["hidden"] * 2 * r["remote_rows"] for r in main if r["dtype"] == "bf16"}
