@@ -96,9 +96,13 @@ ffi::Error EngramFetchCpu(int32_t ordinal, ffi::AnyBuffer indices, ffi::AnyBuffe
   HostGatherPool::help(*job, job->num_items());
   if (!job->wait(m.timeout_s)) {
     job->abandon("timed out");  // items not yet started are skipped
+    // Items a worker is already running still write into this op's result buffers, which XLA may reuse once the
+    // op has failed: wait for them too (bounded again; once abandoned, the job finishes with its last running item).
+    const bool drained = job->wait(m.timeout_s);
     return op_error(kOpEngramFetch,
                     "the host gather on rank " + num(m.rank) + " of " + m.label + " did not finish within the " +
-                        "context timeout (" + num(static_cast<int64_t>(m.timeout_s)) + " s)",
+                        "context timeout (" + num(static_cast<int64_t>(m.timeout_s)) + " s)" +
+                        (drained ? "" : "; a worker is still inside a work item after twice that"),
                     ffi::ErrorCode::kDeadlineExceeded);
   }
   if (job->failed())
