@@ -24,6 +24,7 @@ The machine diagnosis (versions, windows, topology, a barrier round trip) is ``p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -110,12 +111,23 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------------------- the job
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The job's figures, derived once from the arguments and the devices."""
+    ranks: int
+    num_experts: int
+    sequences: int
+    seq_len: int
+    hidden: int
+    tokens_per_rank: int
+    num_entries: int
+
+
 def run_job(a: argparse.Namespace) -> dict[str, Any]:
     """Build, check and time the block on this process's view of the job; returns the result dict."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import PartitionSpec as P
 
     import jax_engram as je
     from jax_engram import layers as L
@@ -126,139 +138,28 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("jax_engram: --platform gpu but jax sees no GPU")
     _fill_defaults(a, platform == "gpu")
     R = len(devices)
-    dtype = jnp.dtype(a.dtype)
     hashing = L.EngramHashing(orders=tuple(int(n) for n in a.orders.split(",")), heads_per_order=a.heads_per_order)
-    E = a.experts_per_rank * R
-    B = a.seqs_per_rank * R
-    S, H = a.seq_len, a.hidden
-    M = a.seqs_per_rank * S
-    total_rows = a.buckets_per_head * hashing.num_heads
-    num_entries = -(-total_rows // R)
-    config = {
-        "platform": platform, "devices": R, "processes": jax.process_count(), "ranks": R,
-        "device_kind": devices[0].device_kind, "tokens_per_rank": M, "sequences": B, "seq_len": S, "hidden": H,
-        "ffn": a.ffn, "num_experts": E, "experts_per_rank": a.experts_per_rank, "top_k": a.top_k,
-        "expert_alignment": a.expert_alignment, "dtype": dtype.name, "orders": list(hashing.orders),
-        "heads_per_order": hashing.heads_per_order, "ids_per_token": hashing.num_heads,
-        "buckets_per_head": a.buckets_per_head, "memory_dim": a.memory_dim, "table_dtype": "bfloat16",
-        "table_rows": R * num_entries, "placement": a.placement, "iters": a.iters, "warmup": a.warmup,
-    }
-    rank0 = jax.process_index() == 0
+    shape = _Shape(ranks=R, num_experts=a.experts_per_rank * R, sequences=a.seqs_per_rank * R, seq_len=a.seq_len,
+                   hidden=a.hidden, tokens_per_rank=a.seqs_per_rank * a.seq_len,
+                   num_entries=-(-(a.buckets_per_head * hashing.num_heads) // R))
+    config = _job_config(a, devices, shape, hashing, jnp.dtype(a.dtype))
     n_programs = 5
     prog = _Progress(1 + (0 if a.no_check else 1) + n_programs * (1 + a.warmup + a.iters),
-                     enabled=rank0 and not a.no_progress and jax.process_count() == 1)
+                     enabled=jax.process_index() == 0 and not a.no_progress and jax.process_count() == 1)
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
     ctx = je.init(mesh, "ep", timeout_s=a.timeout)
     try:
-        # ------------------------------------------------------------------ data (same on every process)
-        ke, km = jax.random.split(jax.random.key(a.seed))
-        rng = np.random.default_rng(a.seed)
-        x_h = rng.standard_normal((B, S, H)).astype(np.float32).astype(dtype)
-        ids_h = rng.integers(0, 32000, (B, S), dtype=np.int32)
-        ct_h = rng.standard_normal((B, S, H)).astype(np.float32).astype(dtype)
-        rows_h = (rng.standard_normal((R * num_entries, a.memory_dim)) * 0.5).astype(jnp.bfloat16)
-        pe_h = jax.tree.map(np.asarray, L.init_engram_params(ke, hidden=H, memory_dim=a.memory_dim,
-                                                             num_heads=hashing.num_heads))
-        pm_h = jax.tree.map(np.asarray, L.init_moe_params(km, hidden=H, ffn=a.ffn, num_experts=E))
-
-        table = je.EngramTable(num_entries, a.memory_dim, jnp.bfloat16, ctx=ctx, placement=a.placement)
-        jax.block_until_ready(table.write_global(rows_h))
+        job = _build(a, ctx, shape, hashing, jnp.dtype(a.dtype))
         prog.step("table written")
-
-        ax = ctx.axis_name
-        put = lambda v, spec: L.put_global(v, ctx, spec)  # noqa: E731
-        params = {"engram": {k: put(v, P()) for k, v in pe_h.items()},
-                  "moe": {k: put(v, s) for (k, v), s in zip(pm_h.items(), L.moe_param_specs(pm_h, ctx).values())}}
-        x, ids, ct = put(x_h, P(ax)), put(ids_h, P(ax)), put(ct_h, P(ax))
-        layer_kw = dict(top_k=a.top_k, expert_alignment=a.expert_alignment)
-
-        def block(p, x, pending):
-            h = je.engram_layer(p["engram"], x, table=table, hashing=hashing, pending=pending)  # waits after x
-            return h + je.moe_layer(p["moe"], h, ctx=ctx, **layer_kw)
-
-        def step(p, x, ids, ct):
-            pending = je.engram_prefetch(table, ids, hashing=hashing)  # at step start: the ids need only the tokens
-            x = je.start_before(x, pending)  # issued before the work that consumes x
-            out, vjp = jax.vjp(lambda p, x: block(p, x, pending), p, x)
-            return out, vjp(ct)
-
-        # --------------------------------------------------------------------------------- check
         check: dict[str, Any] = {"skipped": True}
         ok = True
         if not a.no_check:
-            out, (gp, gx) = jax.jit(step)(params, x, ids, ct)
-
-            def ref_block(p, x, ids):
-                h = L.engram_layer_reference(p["engram"], x, ids, table_rows=rows_h, num_ranks=R, hashing=hashing)
-                return h + L.moe_layer_reference(p["moe"], h, num_ranks=R, **layer_kw)
-
-            def ref_step(p, x, ids, ct):
-                o, vjp = jax.vjp(lambda p, x: ref_block(p, x, ids), p, x)
-                return o, vjp(ct)
-
-            ref_params = {"engram": pe_h, "moe": pm_h}
-            with jax.default_device(jax.local_devices()[0]):  # the whole reference on one local device
-                r_out, (r_gp, r_gx) = jax.jit(ref_step)(ref_params, x_h, ids_h, ct_h)
-            tol_f, tol_g = (1e-4, 1e-4) if dtype == jnp.float32 else (2e-2, 5e-2)
-            errs = {"forward": _rel_err(out, r_out), "d_x": _rel_err(gx, r_gx)}
-            for grp in ("engram", "moe"):
-                for k in gp[grp]:
-                    errs[f"d_{grp}.{k}"] = _rel_err(gp[grp][k], r_gp[grp][k])
-            bad = {k: v for k, v in errs.items() if not v <= (tol_f if k == "forward" else tol_g)}
-            ok = not bad
-            check = {"skipped": False, "ok": ok, "max_rel_err": errs, "tolerance": {"forward": tol_f,
-                                                                                  "gradients": tol_g}}
-            if bad:
-                check["failed"] = sorted(bad)
+            check = _check(a, job, shape, hashing)
+            ok = check["ok"]
             prog.step("checked against the reference")
-
-        # --------------------------------------------------------------------------------- stages
-        moe_spec = L.moe_param_specs(pm_h, ctx)
-        specs = ({"engram": {k: P() for k in pe_h}, "moe": moe_spec}, P(ax), P(ax))
-
-        def prefix(upto: str):
-            def body(p, x, ids):
-                pending = L.engram_prefetch(table, ids, hashing=hashing)
-                h = L.engram_local(p["engram"], x, table=table, hashing=hashing, pending=pending)
-                if upto == "engram_lookup":
-                    return h
-                hf = h.reshape(-1, H)
-                pm = p["moe"]
-                idx, w = L.route(pm["router"], hf, a.top_k)
-                res = je.dispatch(hf, idx, w, ctx=ctx, num_experts=E, max_tokens_per_rank=M, expand=True,
-                                  expert_alignment=a.expert_alignment, zero_padding=True)
-                if upto == "dispatch":
-                    return res.recv_x
-                y = L.moe_experts(res.recv_x, pm["w_up"], pm["w_down"], res.group_sizes)
-                y = y * res.recv_topk_weights[:, None]
-                if upto == "expert_gemms":
-                    return y
-                return h + je.combine(y.astype(hf.dtype), res.handle).combined_x.reshape(h.shape)
-
-            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(ax))
-
-        programs = [(s, prefix(s), (params, x, ids)) for s in ("engram_lookup", "dispatch", "expert_gemms",
-                                                             "combine")]
-        programs.append(("backward", step, (params, x, ids, ct)))  # prefetch, je.engram_layer + je.moe_layer, fwd + bwd
-        compile_s, compiled = {}, {}
-        for name, fn, args in programs:
-            prog.step(f"compiling {name}", 0)
-            t0 = time.perf_counter()
-            compiled[name] = jax.jit(fn).lower(*args).compile()
-            compile_s[name] = time.perf_counter() - t0
-            prog.step(f"compiled {name}")
-        # Rounds over every program (not one program after another), so that a change of the machine's load
-        # shifts all of them alike; a program's time is its best round.
-        ts: dict[str, list[float]] = {name: [] for name, _, _ in programs}
-        for it in range(a.warmup + a.iters):
-            for name, _, args in programs:
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled[name](*args))
-                if it >= a.warmup:
-                    ts[name].append(time.perf_counter() - t0)
-                prog.step(f"{'warming up' if it < a.warmup else 'timing'} {name}")
-        times = {name: float(np.min(v)) * 1e3 for name, v in ts.items()}
+        programs = _stage_programs(a, ctx, mesh, job, shape, hashing)
+        compile_s, times = _time_programs(a, programs, prog)
         ctx.check()
     finally:
         prog.close()
@@ -273,6 +174,183 @@ def run_job(a: argparse.Namespace) -> dict[str, Any]:
                            "below_noise": stages[s] <= 0.0} for s, c in zip(STAGES, cum)},
             "totals": {"forward_ms": round(times["combine"], 4), "step_ms": round(times["backward"], 4)},
             "compile_s": {k: round(v, 3) for k, v in compile_s.items()}}
+
+
+def _job_config(a: argparse.Namespace, devices, shape: _Shape, hashing, dtype) -> dict[str, Any]:
+    """The job's configuration as the result reports it."""
+    import jax
+
+    return {
+        "platform": devices[0].platform, "devices": shape.ranks, "processes": jax.process_count(),
+        "ranks": shape.ranks, "device_kind": devices[0].device_kind, "tokens_per_rank": shape.tokens_per_rank,
+        "sequences": shape.sequences, "seq_len": shape.seq_len, "hidden": shape.hidden, "ffn": a.ffn,
+        "num_experts": shape.num_experts, "experts_per_rank": a.experts_per_rank, "top_k": a.top_k,
+        "expert_alignment": a.expert_alignment, "dtype": dtype.name, "orders": list(hashing.orders),
+        "heads_per_order": hashing.heads_per_order, "ids_per_token": hashing.num_heads,
+        "buckets_per_head": a.buckets_per_head, "memory_dim": a.memory_dim, "table_dtype": "bfloat16",
+        "table_rows": shape.ranks * shape.num_entries, "placement": a.placement, "iters": a.iters,
+        "warmup": a.warmup,
+    }
+
+
+@dataclasses.dataclass
+class _Built:
+    """The job's data (host copies for the reference), its table, the global arrays and the training step."""
+    host: dict[str, Any]
+    table: Any
+    params: dict[str, Any]
+    x: Any
+    ids: Any
+    ct: Any
+    step: Any
+
+
+def _build(a: argparse.Namespace, ctx, shape: _Shape, hashing, dtype) -> _Built:
+    """The same data on every process, the Engram table written, and the step: prefetch at its start, the Engram
+    layer then the MoE layer, forward and backward (vjp with the cotangent ct)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import jax_engram as je
+    from jax_engram import layers as L
+
+    B, S, H = shape.sequences, shape.seq_len, shape.hidden
+    ke, km = jax.random.split(jax.random.key(a.seed))
+    rng = np.random.default_rng(a.seed)
+    host = {
+        "x": rng.standard_normal((B, S, H)).astype(np.float32).astype(dtype),
+        "ids": rng.integers(0, 32000, (B, S), dtype=np.int32),
+        "ct": rng.standard_normal((B, S, H)).astype(np.float32).astype(dtype),
+        "rows": (rng.standard_normal((shape.ranks * shape.num_entries, a.memory_dim)) * 0.5).astype(jnp.bfloat16),
+        "engram": jax.tree.map(np.asarray, L.init_engram_params(ke, hidden=H, memory_dim=a.memory_dim,
+                                                                num_heads=hashing.num_heads)),
+        "moe": jax.tree.map(np.asarray, L.init_moe_params(km, hidden=H, ffn=a.ffn, num_experts=shape.num_experts)),
+    }
+    table = je.EngramTable(shape.num_entries, a.memory_dim, jnp.bfloat16, ctx=ctx, placement=a.placement)
+    jax.block_until_ready(table.write_global(host["rows"]))
+
+    ax = ctx.axis_name
+    put = lambda v, spec: L.put_global(v, ctx, spec)  # noqa: E731
+    moe_specs = L.moe_param_specs(host["moe"], ctx)
+    params = {"engram": {k: put(v, P()) for k, v in host["engram"].items()},
+              "moe": {k: put(v, moe_specs[k]) for k, v in host["moe"].items()}}
+    layer_kw = dict(top_k=a.top_k, expert_alignment=a.expert_alignment)
+
+    def block(p, x, pending):
+        h = je.engram_layer(p["engram"], x, table=table, hashing=hashing, pending=pending)  # waits after x
+        return h + je.moe_layer(p["moe"], h, ctx=ctx, **layer_kw)
+
+    def step(p, x, ids, ct):
+        pending = je.engram_prefetch(table, ids, hashing=hashing)  # at step start: the ids need only the tokens
+        x = je.start_before(x, pending)  # issued before the work that consumes x
+        out, vjp = jax.vjp(lambda p, x: block(p, x, pending), p, x)
+        return out, vjp(ct)
+
+    return _Built(host, table, params, put(host["x"], P(ax)), put(host["ids"], P(ax)), put(host["ct"], P(ax)),
+                  step)
+
+
+def _check(a: argparse.Namespace, job: _Built, shape: _Shape, hashing) -> dict[str, Any]:
+    """The step's output and every gradient against the pure-JAX twins of the layers, on one local device."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_engram import layers as L
+
+    h_ = job.host
+    layer_kw = dict(top_k=a.top_k, expert_alignment=a.expert_alignment)
+    out, (gp, gx) = jax.jit(job.step)(job.params, job.x, job.ids, job.ct)
+
+    def ref_block(p, x, ids):
+        h = L.engram_layer_reference(p["engram"], x, ids, table_rows=h_["rows"], num_ranks=shape.ranks,
+                                     hashing=hashing)
+        return h + L.moe_layer_reference(p["moe"], h, num_ranks=shape.ranks, **layer_kw)
+
+    def ref_step(p, x, ids, ct):
+        o, vjp = jax.vjp(lambda p, x: ref_block(p, x, ids), p, x)
+        return o, vjp(ct)
+
+    with jax.default_device(jax.local_devices()[0]):  # the whole reference on one local device
+        r_out, (r_gp, r_gx) = jax.jit(ref_step)({"engram": h_["engram"], "moe": h_["moe"]}, h_["x"], h_["ids"],
+                                                h_["ct"])
+    tol_f, tol_g = (1e-4, 1e-4) if jnp.dtype(a.dtype) == jnp.float32 else (2e-2, 5e-2)
+    errs = {"forward": _rel_err(out, r_out), "d_x": _rel_err(gx, r_gx)}
+    for grp in ("engram", "moe"):
+        for k in gp[grp]:
+            errs[f"d_{grp}.{k}"] = _rel_err(gp[grp][k], r_gp[grp][k])
+    bad = {k: v for k, v in errs.items() if not v <= (tol_f if k == "forward" else tol_g)}
+    check = {"skipped": False, "ok": not bad, "max_rel_err": errs, "tolerance": {"forward": tol_f, "gradients": tol_g}}
+    if bad:
+        check["failed"] = sorted(bad)
+    return check
+
+
+def _stage_programs(a: argparse.Namespace, ctx, mesh, job: _Built, shape: _Shape, hashing) -> list:
+    """(name, function, arguments) of the timed programs: the block's prefixes up to each stage (Engram lookup,
+    dispatch, expert GEMMs, combine), then the whole training step."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_engram as je
+    from jax_engram import layers as L
+
+    ax, H, table = ctx.axis_name, shape.hidden, job.table
+    specs = ({"engram": {k: P() for k in job.host["engram"]}, "moe": L.moe_param_specs(job.host["moe"], ctx)},
+             P(ax), P(ax))
+
+    def prefix(upto: str):
+        def body(p, x, ids):
+            pending = L.engram_prefetch(table, ids, hashing=hashing)
+            h = L.engram_local(p["engram"], x, table=table, hashing=hashing, pending=pending)
+            if upto == "engram_lookup":
+                return h
+            hf = h.reshape(-1, H)
+            pm = p["moe"]
+            idx, w = L.route(pm["router"], hf, a.top_k)
+            res = je.dispatch(hf, idx, w, ctx=ctx, num_experts=shape.num_experts,
+                              max_tokens_per_rank=shape.tokens_per_rank, expand=True,
+                              expert_alignment=a.expert_alignment, zero_padding=True)
+            if upto == "dispatch":
+                return res.recv_x
+            y = L.moe_experts(res.recv_x, pm["w_up"], pm["w_down"], res.group_sizes)
+            y = y * res.recv_topk_weights[:, None]
+            if upto == "expert_gemms":
+                return y
+            return h + je.combine(y.astype(hf.dtype), res.handle).combined_x.reshape(h.shape)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(ax))
+
+    stage_args = (job.params, job.x, job.ids)
+    programs = [(s, prefix(s), stage_args) for s in ("engram_lookup", "dispatch", "expert_gemms", "combine")]
+    # prefetch, je.engram_layer + je.moe_layer, forward + backward
+    programs.append(("backward", job.step, (job.params, job.x, job.ids, job.ct)))
+    return programs
+
+
+def _time_programs(a: argparse.Namespace, programs: list, prog: "_Progress") -> tuple[dict, dict]:
+    """Compiles every program, then times them in rounds over every program (not one program after another), so
+    that a change of the machine's load shifts all of them alike; a program's time is its best round (ms)."""
+    import jax
+    import numpy as np
+
+    compile_s, compiled = {}, {}
+    for name, fn, args in programs:
+        prog.step(f"compiling {name}", 0)
+        t0 = time.perf_counter()
+        compiled[name] = jax.jit(fn).lower(*args).compile()
+        compile_s[name] = time.perf_counter() - t0
+        prog.step(f"compiled {name}")
+    ts: dict[str, list[float]] = {name: [] for name, _, _ in programs}
+    for it in range(a.warmup + a.iters):
+        for name, _, args in programs:
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[name](*args))
+            if it >= a.warmup:
+                ts[name].append(time.perf_counter() - t0)
+            prog.step(f"{'warming up' if it < a.warmup else 'timing'} {name}")
+    return compile_s, {name: float(np.min(v)) * 1e3 for name, v in ts.items()}
 
 
 def _rel_err(ours, ref) -> float:

@@ -40,10 +40,7 @@ def main() -> int:
         jax.config.update("jax_platforms", "cpu")
     if "JAX_ENGRAM_NUM_PROCESSES" not in os.environ:  # the launcher already set the per-process count
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # only affects the CPU backend
-    import jax.numpy as jnp
     import jaxlib
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_engram as je
     from jax_engram import _ffi
@@ -85,41 +82,8 @@ def main() -> int:
         for ordinal, topo in sorted(ctx.nccl_topology().items()):
             out(f"topology (device {ordinal})", json.dumps(topo, sort_keys=True))
 
-    n = ctx.num_ranks
-    ok = True
-    bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
-    bar().block_until_ready()
-    t0 = time.perf_counter()
-    iters = 20
-    for _ in range(iters):
-        bar().block_until_ready()
-    t_bar = (time.perf_counter() - t0) / iters
-    out("barrier round trip", f"{t_bar * 1e6:.1f} us per jitted call over {n} ranks (incl. dispatch)")
-
-    local = np.arange(4 * jax.local_device_count(), dtype=np.float32) + 1000 * jax.process_index()
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local, (4 * n,))
-    for placement in ("device", "host"):
-        f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx=ctx, placement=p), mesh=mesh,
-                                  in_specs=P("x"), out_specs=P("x")))
-        y = f(x)
-        # Expected: rank r holds rank r-1's block. Check the local shards.
-        full_rows = {}
-        for shard in y.addressable_shards:
-            r = (shard.index[0].start or 0) // 4  # a 1-device mesh's shard index is slice(None)
-            full_rows[r] = np.asarray(shard.data)
-        xs = {(shard.index[0].start or 0) // 4: np.asarray(shard.data) for shard in x.addressable_shards}
-        good = True
-        for r, got in full_rows.items():
-            left = (r - 1) % n
-            want = xs.get(left)
-            if want is None:  # left neighbour lives in another process: its values are known by construction
-                proc = mesh.devices[left].process_index
-                loc = [d for d in jax.devices() if d.process_index == proc]
-                k = [d.id for d in loc].index(mesh.devices[left].id)
-                want = np.arange(4 * len(loc), dtype=np.float32)[4 * k:4 * k + 4] + 1000 * proc
-            good &= bool(np.array_equal(got, want))
-        ok &= good
-        out(f"ring exchange ({placement} segment)", "PASS" if good else "FAIL")
+    _time_barrier(ctx, mesh, out)
+    ok = _check_ring_exchange(ctx, mesh, out)
     try:
         ctx.check()
         out("device error records", "none")
@@ -143,6 +107,59 @@ def main() -> int:
     except Exception:
         pass
     return 0 if ok else 1
+
+
+def _time_barrier(ctx, mesh, out) -> None:
+    """Times a jitted barrier over every rank (its round trip, dispatch included)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_engram as je
+
+    bar = jax.jit(jax.shard_map(lambda: je.barrier(ctx=ctx)[None], mesh=mesh, in_specs=(), out_specs=P("x")))
+    bar().block_until_ready()
+    t0 = time.perf_counter()
+    iters = 20
+    for _ in range(iters):
+        bar().block_until_ready()
+    t_bar = (time.perf_counter() - t0) / iters
+    out("barrier round trip", f"{t_bar * 1e6:.1f} us per jitted call over {ctx.num_ranks} ranks (incl. dispatch)")
+
+
+def _check_ring_exchange(ctx, mesh, out) -> bool:
+    """A ring exchange through every rank's window, in each segment: rank r must hold rank r-1's block."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_engram as je
+
+    n = ctx.num_ranks
+    ok = True
+    local = np.arange(4 * jax.local_device_count(), dtype=np.float32) + 1000 * jax.process_index()
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local, (4 * n,))
+    for placement in ("device", "host"):
+        f = jax.jit(jax.shard_map(lambda a, p=placement: je.ring_exchange(a, ctx=ctx, placement=p), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P("x")))
+        y = f(x)
+        full_rows = {}
+        for shard in y.addressable_shards:
+            r = (shard.index[0].start or 0) // 4  # a 1-device mesh's shard index is slice(None)
+            full_rows[r] = np.asarray(shard.data)
+        xs = {(shard.index[0].start or 0) // 4: np.asarray(shard.data) for shard in x.addressable_shards}
+        good = True
+        for r, got in full_rows.items():
+            left = (r - 1) % n
+            want = xs.get(left)
+            if want is None:  # left neighbour lives in another process: its values are known by construction
+                proc = mesh.devices[left].process_index
+                loc = [d for d in jax.devices() if d.process_index == proc]
+                k = [d.id for d in loc].index(mesh.devices[left].id)
+                want = np.arange(4 * len(loc), dtype=np.float32)[4 * k:4 * k + 4] + 1000 * proc
+            good &= bool(np.array_equal(got, want))
+        ok &= good
+        out(f"ring exchange ({placement} segment)", "PASS" if good else "FAIL")
+    return ok
 
 
 if __name__ == "__main__":
