@@ -61,18 +61,8 @@ class HierEngram:
         return "gin" if self._gin is not None else "xla all_to_all"
 
     def write(self, storage, sf=None, *, after=None):
-        _call.check_axis(self.ctx, "EngramTable.write")
-        storage = _call.on_mesh(self.ctx, "EngramTable.write", storage)
-        if self.num_sf_packs and sf is None:
-            raise ValueError(f"jax_engram EngramTable.write: the table has num_sf_packs={self.num_sf_packs}: "
-                             f"pass sf, the replicated scale-factor table [num_ranks*num_entries, P] = "
-                             f"[{self.total_entries}, {self.num_sf_packs}]")
+        """EngramTable.write on a ("node", "gpu") group; the arguments were checked by the table."""
         if self.num_sf_packs:
-            sf = jnp.asarray(sf)
-            if sf.shape != (self.total_entries, self.num_sf_packs):
-                raise ValueError(f"jax_engram EngramTable.write: sf must be the replicated table [num_ranks*"
-                                 f"num_entries, num_sf_packs] = [{self.total_entries}, {self.num_sf_packs}] "
-                                 f"indexed by global id, got {sf.shape}")
             # This node's rows of the replicated table: the inner table serves them with the data rows.
             sf = jax.lax.dynamic_slice_in_dim(sf, self.ctx.node_index() * self.node_entries, self.node_entries)
         if self._gin is None:

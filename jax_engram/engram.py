@@ -314,18 +314,8 @@ class EngramTable:
             indices = indices.astype(jnp.int32)
         return indices
 
-    # --------------------------------------------------------------------------- in shard_map
-    def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *,
-              after: Optional[jax.Array] = None) -> jax.Array:
-        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] of the table's dtype
-        (and, with scale factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
-
-        ``after``: any array that must be computed before the write starts (e.g. the data of an earlier
-        lookup of this table in the same program). Returns ``done``, a float32 [] scalar: pass it as ``after=``
-        to the fetches that must see the new table.
-        """
-        if self._hier is not None:
-            return self._hier.write(storage, sf, after=after)
+    def _check_write(self, storage: jax.Array, sf: Optional[jax.Array]) -> tuple[jax.Array, Optional[jax.Array]]:
+        """write's arguments checked, the same on both group shapes: (storage, sf as an array or None)."""
         _call.check_axis(self.ctx, "EngramTable.write")
         pre = "jax_engram EngramTable.write"
         storage = _call.on_mesh(self.ctx, "EngramTable.write", storage)
@@ -336,25 +326,38 @@ class EngramTable:
         if storage.dtype != self.dtype:
             raise TypeError(f"{pre}: storage dtype {storage.dtype} does not match the table's {self.dtype.name} "
                             "(no implicit conversion; cast it yourself)")
-        if self.num_sf_packs:
-            if sf is None:
-                raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf, the replicated "
-                                 f"scale-factor table [num_ranks*num_entries, P] = [{self.total_entries}, "
-                                 f"{self.num_sf_packs}]")
-            sf = jnp.asarray(sf)
-            if sf.shape != (self.total_entries, self.num_sf_packs):
-                raise ValueError(f"{pre}: sf must be the replicated table [num_ranks*num_entries, num_sf_packs] = "
-                                 f"[{self.total_entries}, {self.num_sf_packs}] indexed by global id, got "
-                                 f"{sf.shape}")
-            if sf.dtype != self.sf_dtype:
-                raise TypeError(f"{pre}: sf dtype {sf.dtype} does not match the table's sf_dtype "
-                                f"{self.sf_dtype.name}")
-            sf_bytes = self.sf_nbytes
-        else:
+        if not self.num_sf_packs:
             if sf is not None:
                 raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
+            return storage, None
+        if sf is None:
+            raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf, the replicated "
+                             f"scale-factor table [num_ranks*num_entries, P] = [{self.total_entries}, "
+                             f"{self.num_sf_packs}]")
+        sf = jnp.asarray(sf)
+        if sf.shape != (self.total_entries, self.num_sf_packs):
+            raise ValueError(f"{pre}: sf must be the replicated table [num_ranks*num_entries, num_sf_packs] = "
+                             f"[{self.total_entries}, {self.num_sf_packs}] indexed by global id, got {sf.shape}")
+        if sf.dtype != self.sf_dtype:
+            raise TypeError(f"{pre}: sf dtype {sf.dtype} does not match the table's sf_dtype {self.sf_dtype.name}")
+        return storage, sf
+
+    # --------------------------------------------------------------------------- in shard_map
+    def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *,
+              after: Optional[jax.Array] = None) -> jax.Array:
+        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] of the table's dtype
+        (and, with scale factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
+
+        ``after``: any array that must be computed before the write starts (e.g. the data of an earlier
+        lookup of this table in the same program). Returns ``done``, a float32 [] scalar: pass it as ``after=``
+        to the fetches that must see the new table.
+        """
+        storage, sf = self._check_write(storage, sf)
+        if self._hier is not None:
+            return self._hier.write(storage, sf, after=after)
+        sf_bytes = self.sf_nbytes if self.num_sf_packs else 0
+        if not self.num_sf_packs:
             sf = jnp.zeros((0,), jnp.int32)
-            sf_bytes = 0
         # `after` only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
         # lookup inside a training step; the write contributes no gradient to it).
         token = _call.new_token(self.ctx) if after is None else jax.lax.stop_gradient(jnp.asarray(after))

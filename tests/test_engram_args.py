@@ -1,0 +1,54 @@
+"""Bad arguments to EngramTable.write / fetch / wait are refused with the same message on a flat group and on a
+("node", "gpu") group (tests/workers/engram_args_check.py: 4 CPU devices, as 4 ranks and as 2 nodes x 2), and the
+tables stay usable afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, WORKERS_DIR
+
+# case -> words its message must contain (the user's arguments and the table's numbers)
+NEEDLES = {
+    "write_storage_shape": ["ValueError", "storage must be this rank's shard", "[8, 4]", "(7, 4)"],
+    "write_storage_dtype": ["TypeError", "storage dtype bfloat16", "float32"],
+    "write_without_sf": ["ValueError", "num_sf_packs=1: pass sf", "[32, 1]"],
+    "write_sf_shape": ["ValueError", "sf must be the replicated table", "(31, 1)"],
+    "write_sf_dtype": ["TypeError", "sf dtype int32"],
+    "fetch_ids_rank": ["ValueError", "indices must be [num_tokens, ids_per_token]", "(6,)"],
+    "fetch_ids_float": ["TypeError", "indices must be an integer array", "float32"],
+    "fetch_mode": ["ValueError", "mode must be one of", "'wrap'"],
+    "fetch_sf_layout": ["ValueError", "sf_layout must be one of", "'col'"],
+    "fetch_config": ["TypeError", "config must be a jax_engram.EngramConfig"],
+    "wait_not_pending": ["TypeError", "expected the EngramPending"],
+}
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, str(WORKERS_DIR / "engram_args_check.py")], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=str(REPO_ROOT))
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return json.loads(lines[-1][7:])
+
+
+def test_every_case_ran(result):
+    assert sorted(result["cases"]) == sorted(NEEDLES), sorted(result["cases"])
+
+
+@pytest.mark.parametrize("case", sorted(NEEDLES))
+def test_same_message_on_flat_and_node_gpu_groups(result, case):
+    got = result["cases"][case]
+    assert got["flat"] == got["hier"], got
+    for word in NEEDLES[case]:
+        assert word in got["flat"], (case, got["flat"])
+
+
+def test_tables_stay_usable(result):
+    assert result["usable"] == {"flat": True, "hier": True}, result["usable"]
