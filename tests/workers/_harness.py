@@ -189,6 +189,23 @@ def same(a, b) -> bool:
     return a.shape == b.shape and np.array_equal(bits(a), bits(b))
 
 
+def assert_same(got, want, what: str) -> None:
+    """Raises AssertionError unless ``got`` has ``want``'s shape and bits (:func:`raw_bits`). ``got``: a global
+    jax.Array, compared shard by shard on this process's devices (``want``: the full host value), or a host
+    array. The message names the first differing element."""
+    want = np.asarray(want)
+    assert tuple(got.shape) == want.shape, f"{what}: shape {tuple(got.shape)} != reference {want.shape}"
+    pieces = ([(s.data, want[s.index], f"{s.device} (shard {s.index})") for s in got.addressable_shards]
+              if hasattr(got, "addressable_shards") else [(got, want, "host")])
+    for g, w, where in pieces:
+        g, w = raw_bits(g), raw_bits(w)
+        if not np.array_equal(g, w):
+            bad = np.argwhere(g != w)
+            first = tuple(bad[0])
+            raise AssertionError(f"{what}: {len(bad)} of {g.size} elements differ on {where}, first at "
+                                 f"{list(first)}: got {g[first]:#x}, want {w[first]:#x}")
+
+
 def random_bits(rng, shape, dt):
     """Random bit patterns of dtype dt without NaNs or infinities (reference.engram_lookup canonicalises NaN
     payloads on XLA:CPU), so any value conversion in an op shows up as a bit mismatch."""

@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import _ffi, reference  # noqa: E402
-from _harness import make_ids, raw_bits, shard  # noqa: E402
+from _harness import assert_same, make_ids, shard  # noqa: E402
 
 AX = "ep"
 BF16, F32, FP8 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -93,11 +93,6 @@ def want(x, sf, ids, N, mode, layout):
             None if sf is None else np.concatenate([np.asarray(o[1]) for o in outs]))
 
 
-def same(got, w, what):
-    for s in got.addressable_shards:
-        g, ww = raw_bits(s.data), raw_bits(w[s.index])
-        if not np.array_equal(g, ww):
-            raise AssertionError(f"{what}: {int((g != ww).sum())} of {g.size} elements differ on {s.device}")
 
 
 def fetch_fn(t, mode, layout, overlap):
@@ -128,9 +123,9 @@ def _matrix(ctx, dt, H, packs, sf_dtype, T, E, seed, placement="host"):
             w, wsf = want(x, sf, ids, N, mode, layout)
             for overlap in ((False, True) if PLATFORM != "cpu" else (True,)):  # one path on CPU
                 d, s = fetch_fn(t, mode, layout, overlap)(sharded(ids))
-                same(d, w, f"{dt.name} H={H} mode={mode} layout={layout} overlap={overlap}")
+                assert_same(d, w, f"{dt.name} H={H} mode={mode} layout={layout} overlap={overlap}")
                 if packs:
-                    same(s, wsf, f"sf {dt.name} mode={mode} layout={layout} overlap={overlap}")
+                    assert_same(s, wsf, f"sf {dt.name} mode={mode} layout={layout} overlap={overlap}")
     t.free()
 
 
@@ -162,8 +157,8 @@ def fp8_sf_in_device_memory(ctx):
     for layout in ("row", "tma_col_major"):
         w, wsf = want(x, sf, ids, N, "fill", layout)
         d, s = fetch_fn(t, "fill", layout, True)(sharded(ids))
-        same(d, w, f"data {layout}")
-        same(s, wsf, f"sf {layout}")
+        assert_same(d, w, f"data {layout}")
+        assert_same(s, wsf, f"sf {layout}")
     t.free()
 
 
@@ -195,8 +190,8 @@ def two_pending_fetches_own_slots(ctx):
     wait_slots = re.findall(r"jax_engram_engram_wait.*?slot = (\d+)", hlo)
     assert len(set(fetch_slots)) == 2 and sorted(fetch_slots) == sorted(wait_slots), (fetch_slots, wait_slots)
     da, db, _ = f(sharded(ia), sharded(ib))
-    same(da, want(xa, None, ia, N, "fill", "row")[0], "first pending fetch")
-    same(db, want(xb, None, ib, N, "fill", "row")[0], "second pending fetch")
+    assert_same(da, want(xa, None, ia, N, "fill", "row")[0], "first pending fetch")
+    assert_same(db, want(xb, None, ib, N, "fill", "row")[0], "second pending fetch")
     a.free()
     b.free()
 
@@ -217,7 +212,7 @@ def thread_lifecycle(ctx):
     assert all(NATIVE.host_gather_threads(c.id, o) == 0 for o in local), "pool started before any fetch"
     ids = make_ids(14, R * 4, 3, t.total_entries)
     d, _ = t.lookup_global(sharded(ids), config=CONFIG)
-    same(d, want(x, None, ids, 16, "fill", "row")[0], "lookup")
+    assert_same(d, want(x, None, ids, 16, "fill", "row")[0], "lookup")
     n = [NATIVE.host_gather_threads(c.id, o) for o in local]
     assert all(k == args.threads for k in n), n
     assert _pool_threads() == before + args.threads * len(local), (_pool_threads(), before)
@@ -249,7 +244,7 @@ def worker_failure(ctx):
         if PLATFORM == "cpu":
             c.check()  # the public way on: the call raised already, check() forgets it (nothing recorded on CPU)
             d, _ = f(sharded(ids))
-            same(d, want(x, None, ids, N, "fill", "row")[0], "fetch after a failure")
+            assert_same(d, want(x, None, ids, N, "fill", "row")[0], "fetch after a failure")
             c.check()
     finally:
         c.close()

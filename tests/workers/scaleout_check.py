@@ -16,8 +16,7 @@ import argparse
 import os
 import sys
 
-from _harness import Checks, import_launch, load_example, make_ids, random_bits, shard, start
-from _harness import raw_bits as bits
+from _harness import Checks, assert_same, import_launch, load_example, make_ids, random_bits, shard, start
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda"])
@@ -65,20 +64,7 @@ def sharded(a, spec=None):
 
 def assert_equal(got, want, what):
     """got: a global jax.Array (sharded like want's leading axis) or numpy; want: numpy."""
-    if isinstance(got, jax.Array):
-        for s in got.addressable_shards:
-            g, w = bits(s.data), bits(np.asarray(want)[s.index])
-            if not np.array_equal(g, w):
-                bad = np.argwhere(g != w)
-                raise AssertionError(f"{what}: {len(bad)} of {g.size} differ on {s.device} (first {bad[0].tolist()} "
-                                     f"of {s.index}: got {g[tuple(bad[0])]}, want {w[tuple(bad[0])]})")
-        return
-    g, w = bits(got), bits(want)
-    if g.shape != w.shape or not np.array_equal(g, w):
-        bad = np.argwhere(g != w) if g.shape == w.shape else [[-1]]
-        raise AssertionError(f"{what}: differs (shapes {g.shape} vs {w.shape}; {len(bad)} elements, first "
-                             f"{bad[0]}: got {g[tuple(bad[0])] if g.shape == w.shape else ''} want "
-                             f"{w[tuple(bad[0])] if g.shape == w.shape else ''})")
+    assert_same(got, want, what)
 
 
 # -------------------------------------------------------------------------------------------- context

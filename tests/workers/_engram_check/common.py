@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _harness import make_ids, random_bits, start  # noqa: F401 (make_ids: for the cases)
-from _harness import raw_bits as bits
+from _harness import assert_same, make_ids, random_bits, shard, start  # noqa: F401 (make_ids: for the cases)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda"],
@@ -32,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import reference  # noqa: E402
@@ -78,22 +77,15 @@ def assert_global_equal(got, want, what):
     if got is None or want is None:
         assert got is None and want is None, f"{what}: got {got is None and 'None'} want {want is None and 'None'}"
         return
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {got.shape} != reference {want.shape}"
-    for s in got.addressable_shards:
-        g, w = bits(s.data), bits(want[s.index])
-        if not np.array_equal(g, w):
-            bad = np.argwhere(g != w)
-            raise AssertionError(f"{what}: {len(bad)} of {g.size} elements differ on {s.device} (first at "
-                                 f"{bad[0].tolist()} of shard {s.index}: got {g[tuple(bad[0])]:#x}, want "
-                                 f"{w[tuple(bad[0])]:#x})")
+    assert_same(got, want, what)
 
 
 def sharded(a):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(AX, None)), lambda i: a[i])
+    return shard(a, mesh, P(AX, None))
 
 
 def replicated(a):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P()), lambda i: a[i])
+    return shard(a, mesh, P())
 
 
 def check_lookups(table, x, sf, seed, T, E, modes=("fill", "clip", "checked"), layouts=("row",)):
