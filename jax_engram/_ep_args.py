@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call, _ep_local
+from jax_engram import _call, _ep_guard
 from jax_engram._ep_types import (BAD_DUPLICATE_EXPERT, BAD_EXPERT_RANGE, COMBINE_DTYPES, MAX_EXPERTS,
                                   MAX_LOCAL_EXPERTS, MAX_TOPK, SF_DTYPES, X_DTYPES, DispatchConfig, EPHandle)
 from jax_engram.config import EPConfig
@@ -245,7 +245,7 @@ def routing_guard(records, num_experts: int, ctx, guard_ctx, *, refuse: bool):
     else the first offender is recorded in the context as the flat dispatch kernel records bad routing. Returns
     (a float32 zero that comes after the guard, the records as the guard copied them)."""
     zero = _call.vary(jnp.zeros((), jnp.float32), ctx.axis_name)
-    return _ep_local.guard_call(guard_ctx, zero, records, combine=False, num_experts=num_experts,
+    return _ep_guard.guard_call(guard_ctx, zero, records, combine=False, num_experts=num_experts,
                                 records=2 if refuse else 1)
 
 

@@ -1,7 +1,7 @@
 """The gradients of dispatch and combine (``jax.custom_vjp``), one rule per op for every path.
 
-A path (:mod:`jax_engram._ep_flat`, :mod:`jax_engram._ep_hier`) is a module with three functions over
-varying arrays, absent operands given as None:
+A path (:mod:`jax_engram._ep_flat`, :mod:`jax_engram._ep_local`, :mod:`jax_engram._ep_hier`; ``jax_engram.ep._path``
+picks one per context) is a module with three functions over varying arrays, absent operands given as None:
 
 * ``dispatch_impl(cfg, zero_padding, x, w, sf, topk_idx, token) -> (recv_x, recv_sf, recv_w, handle)``
 * ``cached_impl(cfg, zero_padding, x, w, sf, handle, token) -> (recv_x, recv_sf, recv_w, token)``

@@ -1,17 +1,17 @@
-"""The flat EP path: dispatch / combine over a one-axis context as custom calls of the native handlers, with
-their gradients (``jax.custom_vjp``). Takes the validated arguments of :mod:`jax_engram._ep_args`; the
-hierarchical path (:mod:`jax_engram._ep_hier`) runs its intra-node legs through :func:`dispatch` /
-:func:`combine` here. Semantics: :mod:`jax_engram.ep`."""
+"""The flat EP path: dispatch / combine over a one-axis context as custom calls of the native handlers. Takes the
+validated arguments of :mod:`jax_engram._ep_args`; the gradients are the shared rules of
+:mod:`jax_engram._ep_autodiff`. The one-rank path (:mod:`jax_engram._ep_local`) is a sibling on the same operands and
+outputs: it runs through this module's entry points (:func:`dispatch_on` / :func:`combine_on`) and the wrappers
+around the raw calls (:func:`dispatch_with`, :func:`cached_with`, :func:`combine_with`), with raw calls of its own.
+Semantics: :mod:`jax_engram.ep`."""
 from __future__ import annotations
 
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call, _ep_autodiff, _ep_local
-from jax_engram._ep_args import CombineArgs, DispatchArgs, routing_errors
+from jax_engram import _call, _ep_args, _ep_autodiff
 from jax_engram._ep_types import (CombineResult, DispatchConfig, DispatchResult, EPHandle, combine_staging_bytes,
                                   dispatch_staging_bytes)
 
@@ -21,12 +21,11 @@ def _vary(x, ctx):
     return _call.vary(x, ctx.axis_name)
 
 
-def _vary_like(a, ref):
-    """a marked as varying along every manual axis ref varies along (e.g. a data-parallel axis of a 2-D mesh
-    besides the context's): the gradient rules return cotangents typed like the data, so the differentiable
-    operands (token, weights, biases) must carry the data's varying axes."""
-    extra = _call.varying_axes(ref) - _call.varying_axes(a)
-    return jax.lax.pcast(a, tuple(sorted(extra)), to="varying") if extra else a
+def _data_axes(x) -> tuple[str, ...]:
+    """Every manual axis x varies along (the context's, and e.g. a data-parallel axis of a 2-D mesh): the gradient
+    rules return cotangents typed like the data, so the differentiable operands (token, weights, biases) must
+    carry the data's varying axes (``_call.vary(a, _data_axes(x))``)."""
+    return tuple(sorted(_call.varying_axes(x)))
 
 
 def _ffi_token(token, ctx):
@@ -113,12 +112,12 @@ def _cached_raw(cfg: DispatchConfig, zero_padding: bool, x, w, sf, meta, psum_ra
         _call.like(x, ((rows,) if cfg.expand else (rt, K)) if has_w else (0,), jnp.float32),
         _call.like(x, (), token.dtype),
     ]
-    return _call.call(cfg.ctx, _target("jax_engram_ep_dispatch_cached", graph), results, x, sf, w, meta, psum_rank, psum_expert,
-                      unaligned, dst_row, token, alloc_id=region.alloc_id, offset=region.offset,
+    return _call.call(cfg.ctx, _target("jax_engram_ep_dispatch_cached", graph), results, x, sf, w, meta, psum_rank,
+                      psum_expert, unaligned, dst_row, token, alloc_id=region.alloc_id, offset=region.offset,
                       **cfg.dispatch_attrs(pieces, zero_padding))
 
 
-def _combine_raw(cfg: DispatchConfig, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank, token):
+def _combine_raw(cfg: DispatchConfig, y, w, biases, meta, dst_row, topk_idx, psum_rank, token):
     H = y.shape[1]
     N, K = cfg.num_tokens, cfg.topk
     region = _combine_region(cfg, H, y.dtype)
@@ -128,20 +127,25 @@ def _combine_raw(cfg: DispatchConfig, y, w, b0, b1, meta, dst_row, topk_idx, psu
         _call.like(y, (N, K if has_w else 0), jnp.float32),
         _call.like(y, (), token.dtype),
     ]
+    no_bias = _empty((0, H), y.dtype, cfg.ctx)  # the handler takes two bias operands, [0, H] = none
+    b0, b1 = tuple(biases) + (no_bias,) * (2 - len(biases))
     graph = cfg.ctx.cuda_graphs and cfg.ctx.platform != "cpu"
-    return _call.call(cfg.ctx, _target("jax_engram_ep_combine", graph), results, y, w, b0, b1, meta, dst_row, topk_idx, psum_rank,
-                      token, alloc_id=region.alloc_id, offset=region.offset, **cfg.combine_attrs())
+    return _call.call(cfg.ctx, _target("jax_engram_ep_combine", graph), results, y, w, b0, b1, meta, dst_row, topk_idx,
+                      psum_rank, token, alloc_id=region.alloc_id, offset=region.offset, **cfg.combine_attrs())
 
 
 # ------------------------------------------------------------------------- the path (see jax_engram._ep_autodiff)
-def dispatch_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, topk_idx, token):
-    """(recv_x, recv_sf, recv_w, handle) of a dispatch; w / sf None when absent (the handlers take [N, 0])."""
-    ctx = cfg.ctx
+# Around a path's raw calls, which take and return what the native handlers do (an absent weights / scales operand is
+# an empty array, a fresh dispatch returns every handle array): the flat path's are the custom calls above, the
+# one-rank path's (jax_engram._ep_local) compute the same in plain JAX.
+def dispatch_with(raw, cfg: DispatchConfig, zero_padding: bool, x, w, sf, topk_idx, token):
+    """(recv_x, recv_sf, recv_w, handle) of a dispatch through ``raw`` (``_dispatch_raw``'s signature); w / sf None
+    when absent. The one place the EPHandle of a one-axis dispatch is built."""
     num_tokens = x.shape[0]
-    w_in = w if w is not None else _vary_like(_empty((num_tokens, 0), jnp.float32, ctx), x)
-    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, ctx)
+    w_in = w if w is not None else _call.vary(jnp.zeros((num_tokens, 0), jnp.float32), _data_axes(x))
+    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, cfg.ctx)
     (recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, group_sizes,
-     t) = _dispatch_raw(cfg, zero_padding, x, w_in, sf_in, topk_idx, token)
+     t) = raw(cfg, zero_padding, x, w_in, sf_in, topk_idx, token)
     handle = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                       num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
                       topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=group_sizes,
@@ -149,46 +153,59 @@ def dispatch_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, topk_idx, t
     return recv_x, recv_sf if sf is not None else None, recv_w if w is not None else None, handle
 
 
-def cached_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, handle: EPHandle, token):
-    """(recv_x, recv_sf, recv_w, token) of a cached dispatch through ``handle``."""
-    ctx = cfg.ctx
+def cached_with(raw, cfg: DispatchConfig, zero_padding: bool, x, w, sf, handle: EPHandle, token):
+    """(recv_x, recv_sf, recv_w, token) of a cached dispatch through ``handle`` and ``raw`` (``_cached_raw``'s
+    signature)."""
     num_tokens = x.shape[0]
-    w_in = w if w is not None else _vary_like(_empty((num_tokens, 0), jnp.float32, ctx), x)
-    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, ctx)
-    recv_x, recv_sf, recv_w, t = _cached_raw(
+    w_in = w if w is not None else _call.vary(jnp.zeros((num_tokens, 0), jnp.float32), _data_axes(x))
+    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, cfg.ctx)
+    recv_x, recv_sf, recv_w, t = raw(
         cfg, zero_padding, x, w_in, sf_in, handle.recv_src_metadata, handle.psum_num_recv_tokens_per_rank,
         handle.psum_num_recv_tokens_per_expert, handle.num_unaligned_recv_tokens_per_expert, handle.dst_row, token)
     return recv_x, recv_sf if sf is not None else None, recv_w if w is not None else None, t
 
 
-def combine_impl(cfg: DispatchConfig, y, w, biases, handle: EPHandle, token):
-    """(combined_x, combined_w, token) of the combine through ``handle``; w None when absent, 0-2 biases."""
-    no_bias = _empty((0, y.shape[1]), y.dtype, cfg.ctx)
-    b = list(biases) + [no_bias] * (2 - len(biases))
-    w_in = w if w is not None else _vary_like(_empty((0,), jnp.float32, cfg.ctx), y)
-    cx, cw, t = _combine_raw(cfg, y, w_in, b[0], b[1], handle.recv_src_metadata, handle.dst_row, handle.topk_idx,
-                             handle.psum_num_recv_tokens_per_rank, token)
+def combine_with(raw, cfg: DispatchConfig, y, w, biases, handle: EPHandle, token):
+    """(combined_x, combined_w, token) of the combine through ``handle`` and ``raw`` (``_combine_raw``'s
+    signature); w None when absent, 0-2 biases."""
+    w_in = w if w is not None else _call.vary(jnp.zeros((0,), jnp.float32), _data_axes(y))
+    cx, cw, t = raw(cfg, y, w_in, tuple(biases), handle.recv_src_metadata, handle.dst_row, handle.topk_idx,
+                    handle.psum_num_recv_tokens_per_rank, token)
     return cx, cw if w is not None else None, t
 
 
+def dispatch_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, topk_idx, token):
+    """(recv_x, recv_sf, recv_w, handle) of a dispatch; w / sf None when absent (the handlers take [N, 0])."""
+    return dispatch_with(_dispatch_raw, cfg, zero_padding, x, w, sf, topk_idx, token)
+
+
+def cached_impl(cfg: DispatchConfig, zero_padding: bool, x, w, sf, handle: EPHandle, token):
+    """(recv_x, recv_sf, recv_w, token) of a cached dispatch through ``handle``."""
+    return cached_with(_cached_raw, cfg, zero_padding, x, w, sf, handle, token)
+
+
+def combine_impl(cfg: DispatchConfig, y, w, biases, handle: EPHandle, token):
+    """(combined_x, combined_w, token) of the combine through ``handle``; w None when absent, 0-2 biases."""
+    return combine_with(_combine_raw, cfg, y, w, biases, handle, token)
+
+
 # ------------------------------------------------------------------------------------------- entry points
-def dispatch(args: DispatchArgs) -> DispatchResult:
-    """A (cached) dispatch over a flat context."""
+# One-axis contexts, for the flat path and the one-rank path alike (``path``: the module whose dispatch_impl /
+# cached_impl / combine_impl run the op under _ep_autodiff's gradient rules).
+def dispatch_on(path, args: _ep_args.DispatchArgs) -> DispatchResult:
+    """A (cached) dispatch over a one-axis context on ``path``."""
     cfg = args.config
     ctx = cfg.ctx
-    path = sys.modules[__name__]
     x = _vary(args.x, ctx)
-    w = _vary_like(_vary(args.topk_weights, ctx), x) if args.topk_weights is not None else None
+    data_axes = _data_axes(x)
+    w = _call.vary(args.topk_weights, data_axes) if args.topk_weights is not None else None
     sf = _vary(args.x_scales, ctx) if args.x_scales is not None else None
-    tok = _vary_like(_ffi_token(args.token, ctx), x)
+    tok = _call.vary(_ffi_token(args.token, ctx), data_axes)
     if not args.cached:
         topk_idx = args.topk_idx
         if args.validate_routing:
-            tok = tok + routing_errors(topk_idx, cfg.num_experts, ctx)
+            tok = tok + _ep_args.routing_errors(topk_idx, cfg.num_experts, ctx)
         topk_idx = _vary(topk_idx.astype(jnp.int32), ctx)
-    if _ep_local.applies(ctx, cfg.ep):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
-        return _dispatch_local(args, x, w, sf, topk_idx if not args.cached else None, tok)
-    if not args.cached:
         recv_x, recv_sf, recv_w, h = _ep_autodiff.dispatch_op(path, cfg, args.zero_padding, x, w, sf, topk_idx, tok)
     else:
         recv_x, recv_sf, recv_w, t = _ep_autodiff.cached_dispatch_op(path, cfg, args.zero_padding, x, w, sf,
@@ -197,46 +214,24 @@ def dispatch(args: DispatchArgs) -> DispatchResult:
     return DispatchResult(recv_x, recv_sf, h.recv_topk_idx, recv_w, h.num_recv_tokens, h.group_sizes, h, h.done)
 
 
-def combine(args: CombineArgs) -> CombineResult:
-    """The combine of a flat dispatch."""
+def combine_on(path, args: _ep_args.CombineArgs) -> CombineResult:
+    """The combine of a one-axis dispatch on ``path``."""
     cfg = args.config
     ctx = cfg.ctx
     y = _vary(args.y, ctx)
-    w = _vary_like(_vary(args.topk_weights, ctx), y) if args.topk_weights is not None else None
-    biases = tuple(_vary_like(_vary(b, ctx), y) for b in args.biases)
-    tok = _vary_like(_ffi_token(args.token, ctx), y)
-    if _ep_local.applies(ctx, cfg.ep):  # one rank: a local permutation in plain JAX (jax_engram/_ep_local.py)
-        h = args.handle
-        handle_arrays = (h.recv_src_metadata, h.dst_row, h.topk_idx, h.psum_num_recv_tokens_per_rank,
-                         h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert,
-                         h.recv_topk_idx if h.recv_topk_idx is not None else _empty((0, cfg.topk), jnp.int32, ctx))
-        w_in = w if w is not None else _vary_like(_empty((0,), jnp.float32, ctx), y)
-        cx, cw, t = _ep_local.combine_p(cfg, y, w_in, biases, handle_arrays, tok)
-        return CombineResult(cx, cw if w is not None else None, t)
-    cx, cw, t = _ep_autodiff.combine_op(sys.modules[__name__], cfg, y, w, biases, args.handle, tok)
+    data_axes = _data_axes(y)
+    w = _call.vary(args.topk_weights, data_axes) if args.topk_weights is not None else None
+    biases = tuple(_call.vary(b, data_axes) for b in args.biases)
+    tok = _call.vary(_ffi_token(args.token, ctx), data_axes)
+    cx, cw, t = _ep_autodiff.combine_op(path, cfg, y, w, biases, args.handle, tok)
     return CombineResult(cx, cw, t)
 
 
-def _dispatch_local(args: DispatchArgs, x, w, sf, topk_idx, tok) -> DispatchResult:
-    """A (cached) dispatch of a one-rank context through _ep_local (operands and outputs as the native handlers':
-    absent weights / scales are [N, 0] arrays; a fresh dispatch returns every handle array)."""
-    cfg = args.config
-    ctx = cfg.ctx
-    num_tokens = x.shape[0]
-    w_in = w if w is not None else _vary_like(_empty((num_tokens, 0), jnp.float32, ctx), x)
-    sf_in = sf if sf is not None else _empty((num_tokens, 0), jnp.float32, ctx)
-    if not args.cached:
-        (recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, unaligned, meta, dst_row, num_recv, group_sizes,
-         t) = _ep_local.dispatch_p(cfg, args.zero_padding, False, x, w_in, sf_in, (topk_idx,), tok)
-        h = EPHandle(psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
-                     num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=meta, dst_row=dst_row,
-                     topk_idx=topk_idx, num_recv_tokens=num_recv, group_sizes=group_sizes,
-                     recv_topk_idx=None if cfg.expand else recv_topk, done=t, config=cfg)
-    else:
-        h = args.handle
-        routing = (h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
-                   h.num_unaligned_recv_tokens_per_expert, h.dst_row, h.topk_idx)
-        recv_x, recv_sf, recv_w, t = _ep_local.dispatch_p(cfg, args.zero_padding, True, x, w_in, sf_in, routing, tok)
-        h = h.replace(done=t, config=cfg)
-    return DispatchResult(recv_x, recv_sf if sf is not None else None, h.recv_topk_idx,
-                          recv_w if w is not None else None, h.num_recv_tokens, h.group_sizes, h, t)
+def dispatch(args: _ep_args.DispatchArgs) -> DispatchResult:
+    """A (cached) dispatch over a flat context, on the native kernels."""
+    return dispatch_on(sys.modules[__name__], args)
+
+
+def combine(args: _ep_args.CombineArgs) -> CombineResult:
+    """The combine of a flat dispatch, on the native kernels."""
+    return combine_on(sys.modules[__name__], args)

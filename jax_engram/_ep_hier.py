@@ -1,8 +1,9 @@
 """The hierarchical EP path: dispatch / combine over a ("node", "gpu") context
-(:class:`~jax_engram.context.HierContext`), a sibling of :mod:`jax_engram._ep_flat` built on it: everything that
-crosses nodes runs on XLA collectives over the node axes inside the caller's jitted program
-(``jax.lax.all_to_all`` with static capacity; same-rail forwarding: rank (node a, local j) exchanges only with
-(node b, local j)); everything inside a node runs on the flat ops of the context's per-node inner context.
+(:class:`~jax_engram.context.HierContext`), a sibling of :mod:`jax_engram._ep_flat` and :mod:`jax_engram._ep_local`
+built on them: everything that crosses nodes runs on XLA collectives over the node axes inside the caller's jitted
+program (``jax.lax.all_to_all`` with static capacity; same-rail forwarding: rank (node a, local j) exchanges only with
+(node b, local j)); everything inside a node runs on the EP ops of the context's per-node inner context (the path
+:func:`jax_engram._ep_local.path` picks for it: the flat one, or the one-rank path where a node has one rank).
 Results are bit-identical to the flat path over the same global ranks. Takes the validated arguments of
 :mod:`jax_engram._ep_args`; the gradients are the shared rules of :mod:`jax_engram._ep_autodiff`.
 
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_engram import _ep_autodiff, _ep_flat
+from jax_engram import _ep_autodiff, _ep_local
 from jax_engram._ep_args import (CombineArgs, DispatchArgs, combine_args, dispatch_args, routing_errors, routing_guard,
                                  routing_records)
 from jax_engram._ep_types import HANDLE_FIELDS, CombineResult, DispatchResult, EPHandle, expand_rows
@@ -160,50 +161,60 @@ def _maps(cfg, inner):
     """Row maps between the intra-node receive layout (rows ordered by forwarding rank, source node, token) and
     the flat one (source rank, token), from the inner handle; plus the flat handle fields."""
     g = _geometry(cfg)
-    # L ranks per node, R ranks, K top-k, N tokens, M = max_tokens_per_rank, S copies per token, E_loc local
-    # experts, Mi the intra-node dispatch's max_tokens_per_rank
-    L, R, K, N, M = g.num_scaleup_ranks, g.num_ranks, g.topk, g.num_tokens, g.max_tokens_per_rank
-    S, E_loc, Mi = g.copies_per_token, g.num_local_experts, g.inner_max_tokens
+    num_scaleup_ranks, num_ranks, topk = g.num_scaleup_ranks, g.num_ranks, g.topk
+    num_tokens, max_tokens_per_rank, copies_per_token = g.num_tokens, g.max_tokens_per_rank, g.copies_per_token
+    num_local_experts, inner_max_tokens = g.num_local_experts, g.inner_max_tokens
+    flat_tokens = num_ranks * max_tokens_per_rank          # token rows of the flat layout; also "no flat row"
     i32 = jnp.int32
-    meta = inner.recv_src_metadata                                          # [L*Mi, K+2]
-    RT = meta.shape[0]
+    meta = inner.recv_src_metadata                          # [num_scaleup_ranks * inner_max_tokens, topk + 2]
+    num_inner_rows = meta.shape[0]
     num_recv = inner.num_recv_tokens
-    rvalid = jnp.arange(RT, dtype=i32) < num_recv
-    ig = jnp.maximum(meta[:, 0], 0)
-    jj, tt = ig // Mi, ig % Mi
-    a, t = tt // (N * S), (tt // S) % N
-    fsrc = a * L + jj
-    fg = jnp.where(rvalid, fsrc * M + t, R * M)
-    present = jnp.zeros((R * M + 1,), i32).at[fg].set(1)[:R * M]
-    pos = jnp.cumsum(present) - 1
-    inner_tok_flat = jnp.where(rvalid, pos[jnp.minimum(fg, R * M - 1)], R * M)   # flat token row of inner row
-    tok_src = jnp.zeros((R * M,), i32).at[inner_tok_flat].set(jnp.arange(RT, dtype=i32), mode="drop")
-    counts = jnp.zeros((R + 1,), i32).at[jnp.where(rvalid, fsrc, R)].add(1)[:R]
-    psum_rank = jnp.cumsum(counts).astype(i32)
-    mk = meta[tok_src]
-    flat_meta_k = mk[:, 2:]
+    inner_real = jnp.arange(num_inner_rows, dtype=i32) < num_recv
+    # an inner row's source: inner global id = forwarding rank * inner_max_tokens + intra-node token, the token
+    # being (source node * num_tokens + source token) * copies_per_token + copy; the forwarding rank (same rail) has
+    # the source rank's local index
+    inner_gid = jnp.maximum(meta[:, 0], 0)
+    fwd_rank, inner_token = inner_gid // inner_max_tokens, inner_gid % inner_max_tokens
+    src_node = inner_token // (num_tokens * copies_per_token)
+    src_token = (inner_token // copies_per_token) % num_tokens
+    src_rank = src_node * num_scaleup_ranks + fwd_rank
+    src_gid = jnp.where(inner_real, src_rank * max_tokens_per_rank + src_token, flat_tokens)  # flat global id
+    present = jnp.zeros((flat_tokens + 1,), i32).at[src_gid].set(1)[:flat_tokens]
+    flat_pos = jnp.cumsum(present) - 1
+    inner_tok_flat = jnp.where(inner_real, flat_pos[jnp.minimum(src_gid, flat_tokens - 1)], flat_tokens)  # flat row
+    tok_src = jnp.zeros((flat_tokens,), i32).at[inner_tok_flat].set(jnp.arange(num_inner_rows, dtype=i32),
+                                                                     mode="drop")
+    recv_per_rank = jnp.zeros((num_ranks + 1,), i32).at[jnp.where(inner_real, src_rank, num_ranks)].add(1)[:num_ranks]
+    psum_rank = jnp.cumsum(recv_per_rank).astype(i32)
+    flat_token_meta = meta[tok_src]                         # the inner metadata of every flat token row
+    flat_meta_k = flat_token_meta[:, 2:]
     row_src = inner_row_flat = None
     if cfg.expand:
-        rows_f, rows_i = cfg.rows, expand_rows(L, Mi, K, E_loc, cfg.expert_alignment)
-        starts = inner.psum_num_recv_tokens_per_expert - inner.num_unaligned_recv_tokens_per_expert
-        unal = inner.num_unaligned_recv_tokens_per_expert
-        q = meta[:, 2:]
-        qv = (q >= 0) & rvalid[:, None]
-        e = jnp.clip(jnp.searchsorted(starts, q, side="right") - 1, 0, E_loc - 1)
-        big = E_loc * R * M
-        key = jnp.where(qv, e * (R * M) + fg[:, None], big).reshape(-1)
+        flat_rows = cfg.rows
+        inner_rows = expand_rows(num_scaleup_ranks, inner_max_tokens, topk, num_local_experts, cfg.expert_alignment)
+        inner_unaligned = inner.num_unaligned_recv_tokens_per_expert
+        inner_start = inner.psum_num_recv_tokens_per_expert - inner_unaligned     # segment start per local expert
+        inner_row = meta[:, 2:]                             # the inner expand row of (inner token row, k)
+        has_row = (inner_row >= 0) & inner_real[:, None]
+        expert = jnp.clip(jnp.searchsorted(inner_start, inner_row, side="right") - 1, 0, num_local_experts - 1)
+        # the flat expand order: by local expert, then flat source global id
+        no_key = num_local_experts * flat_tokens
+        key = jnp.where(has_row, expert * flat_tokens + src_gid[:, None], no_key).reshape(-1)
         order = jnp.argsort(key, stable=True)
-        p = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(q.shape)
-        excl = jnp.cumsum(unal) - unal
-        flat_q = jnp.where(qv, starts[e] + p - excl[e], -1).astype(i32)           # flat expand row of (row, k)
-        row_src = jnp.arange(rows_f, dtype=i32).at[jnp.where(qv, flat_q, rows_f)].set(q, mode="drop")
-        row_src = jnp.minimum(row_src, rows_i - 1)
-        inner_row_flat = jnp.zeros((rows_i,), i32).at[jnp.where(qv, q, rows_i)].set(flat_q, mode="drop")
-        flat_meta_k = flat_q[tok_src]
-    fvalid = jnp.arange(R * M, dtype=i32) < num_recv
-    col0 = jnp.where(fvalid, fg[tok_src], -1)
-    col1 = jnp.where(fvalid, fsrc[tok_src] * K + mk[:, 1] % K, -1)
-    flat_meta = jnp.concatenate([col0[:, None], col1[:, None], jnp.where(fvalid[:, None], flat_meta_k, -1)],
+        sorted_pos = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(
+            inner_row.shape)
+        expert_first = jnp.cumsum(inner_unaligned) - inner_unaligned                # expert's first sorted position
+        flat_row = jnp.where(has_row, inner_start[expert] + sorted_pos - expert_first[expert], -1).astype(i32)
+        row_src = jnp.arange(flat_rows, dtype=i32).at[jnp.where(has_row, flat_row, flat_rows)].set(inner_row,
+                                                                                                mode="drop")
+        row_src = jnp.minimum(row_src, inner_rows - 1)
+        inner_row_flat = jnp.zeros((inner_rows,), i32).at[jnp.where(has_row, inner_row, inner_rows)].set(
+            flat_row, mode="drop")
+        flat_meta_k = flat_row[tok_src]
+    flat_real = jnp.arange(flat_tokens, dtype=i32) < num_recv
+    gid_col = jnp.where(flat_real, src_gid[tok_src], -1)
+    master_col = jnp.where(flat_real, src_rank[tok_src] * topk + flat_token_meta[:, 1] % topk, -1)
+    flat_meta = jnp.concatenate([gid_col[:, None], master_col[:, None], jnp.where(flat_real[:, None], flat_meta_k, -1)],
                                 axis=1).astype(i32)
     return dict(tok_src=tok_src, row_src=row_src, inner_tok_flat=inner_tok_flat, inner_row_flat=inner_row_flat,
                 recv_src_metadata=flat_meta, psum_num_recv_tokens_per_rank=psum_rank)
@@ -237,6 +248,15 @@ def _inner_args(cfg, g: Geometry, zero_padding, x, topk_idx, w, sf, handle, toke
                          num_sms=cfg.num_sms or None, token=token, validate_routing=False, config=cfg.ep)
 
 
+def _intra_node(args):
+    """The path of an intra-node op (``args`` over the inner context): the flat or the one-rank path."""
+    return _ep_local.path(args.config)
+
+
+def _intra_node_dispatch(args: DispatchArgs) -> DispatchResult:
+    return _intra_node(args).dispatch(args)
+
+
 def _forward_split(ctx, g: Geometry, a):
     """This rank's rows to every node, one copy per intra-node token: [N, ...] -> [Nn*N*S, ...] (None stays)."""
     return None if a is None else _split(_forward(ctx, a), g.copies_per_token)
@@ -248,9 +268,9 @@ def dispatch_impl(cfg, zero_padding, x, w, sf, topk, token):
     ctx = cfg.ctx
     g = _geometry(cfg)
     forwarded_topk = _forward(ctx, topk)
-    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x),
-                                        _inner_tokens(cfg, forwarded_topk), _forward_split(ctx, g, w),
-                                        _forward_split(ctx, g, sf), None, token))
+    res = _intra_node_dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x),
+                                           _inner_tokens(cfg, forwarded_topk), _forward_split(ctx, g, w),
+                                           _forward_split(ctx, g, sf), None, token))
     inner = res.handle
     maps = _maps(cfg, inner)
     h = HierEPHandle.build(cfg, inner=inner, dst_row=_dst_row(cfg, topk), topk_idx=topk,
@@ -268,8 +288,8 @@ def cached_impl(cfg, zero_padding, x, w, sf, h, token):
     """(recv_x, recv_sf, recv_w, token) of a hierarchical cached dispatch through the handle h."""
     ctx = cfg.ctx
     g = _geometry(cfg)
-    res = _ep_flat.dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x), None,
-                                        _forward_split(ctx, g, w), _forward_split(ctx, g, sf), h.inner, token))
+    res = _intra_node_dispatch(_inner_args(cfg, g, zero_padding, _forward_split(ctx, g, x), None,
+                                           _forward_split(ctx, g, w), _forward_split(ctx, g, sf), h.inner, token))
     recv_x = _flat_rows(cfg, h, res.recv_x, False)
     recv_sf = None if sf is None else _flat_rows(cfg, h, res.recv_x_scales, False)
     recv_w = None if w is None else _flat_rows(cfg, h, res.recv_topk_weights, False)
@@ -286,7 +306,8 @@ def combine_impl(cfg, y, w, biases, h, token):
     inner_rows = h.inner_row_flat if cfg.expand else h.inner_tok_flat
     inner_y = y[jnp.minimum(inner_rows, y.shape[0] - 1)]
     inner_w = None if w is None else w[jnp.minimum(inner_rows, w.shape[0] - 1)]
-    r = _ep_flat.combine(combine_args(inner_y, h.inner, topk_weights=inner_w, bias=None, token=token))
+    inner_args = combine_args(inner_y, h.inner, topk_weights=inner_w, bias=None, token=token)
+    r = _intra_node(inner_args).combine(inner_args)
     cx, cw, t = r.combined_x, r.combined_topk_weights, r.done
     back = ctx.node_all_to_all(cx.reshape(num_nodes, num_tokens, copies, -1))  # [Nn (dest node), N, S, H]
     topk_idx = h.topk_idx

@@ -18,10 +18,13 @@ dispatch computes its layout from the guard's copy of topk_idx, so none of it ru
 cached dispatch and combine check only the context, at their handler, which fails the whole call wherever XLA
 places it.
 
-``dispatch_p`` and ``combine_p`` take and return exactly what the native calls of :mod:`jax_engram._ep_flat` do,
-so the flat path (after :mod:`jax_engram._ep_args` validated the arguments once) calls one or the other; the
-choice is made per context (:func:`applies`), so the handles of one context always come from one path. The
-handle's fields are the native path's, so either path could read the other's handles, but nothing mixes them.
+A sibling of the flat path (:mod:`jax_engram._ep_flat`), chosen by ``jax_engram.ep._path`` where
+:func:`applies`: its raw calls (``_dispatch_raw``, ``_cached_raw``, ``_combine_raw``) take and return exactly what
+the native calls of the flat path do, behind the flat path's entry points and wrappers, and the gradients are the
+rules of :mod:`jax_engram._ep_autodiff` (one custom_vjp per op for every path): the backward of a dispatch is this
+path's combine, the backward of a combine its cached dispatch. The choice is made per context and EPConfig, so the
+handles of one dispatch config always come from one path. The handle's fields are the native path's, so either path
+could read the other's handles, but nothing mixes them.
 
 Numerics (bit for bit the native path's): rows are moved as their bit patterns (NaN payloads, subnormals and -0.0
 kept); every sum is a left fold in float32 from -0.0 over the terms in the documented order, rounded once per
@@ -38,22 +41,17 @@ is not fused into the op, the results are materialized, and the output token (th
 """
 from __future__ import annotations
 
-import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call
+from jax_engram import _call, _ep_flat
+from jax_engram._ep_guard import applies, guard_call
 
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def applies(ctx, ep_config) -> bool:
-    """Whether the EP ops of this flat context take the one-rank path: one rank and ``EPConfig.one_rank ==
-    "local"`` (the default; ``ctx._ep_local = False`` forces the native kernels even then)."""
-    return ctx.num_ranks == 1 and ep_config.one_rank == "local" and getattr(ctx, "_ep_local", True)
 
 
 def _guard(cfg, token, topk_idx=None, *, combine: bool):
@@ -67,16 +65,6 @@ def _guard(cfg, token, topk_idx=None, *, combine: bool):
     routing = _call.vary(topk_idx if topk_idx is not None else jnp.zeros((0, 0), jnp.int32), axes)
     token, checked = guard_call(ctx, token, routing, combine=combine, num_experts=cfg.num_experts, records=0)
     return token, (checked if topk_idx is not None else None)
-
-
-def guard_call(ctx, token, operand, *, combine: bool, num_experts: int, records: int):
-    """The context's guard (``jax_engram_ep_guard``, EpGuardAttrs) over ``operand`` (a routing [N, K], or a
-    group's routing records with ``records`` 1 / 2); the token comes back in its own buffer. Returns (token, the
-    guard's copy of the operand)."""
-    graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the kernels: the graph target where XLA may capture it
-    return _call.call(ctx, "jax_engram_ep_guard_graph" if graph else "jax_engram_ep_guard",
-                      [_call.like(token), _call.like(operand)], token, operand, input_output_aliases={0: 0},
-                      combine=combine, num_experts=num_experts, records=records)
 
 
 # ------------------------------------------------------------------------------------------------- pieces
@@ -254,112 +242,66 @@ def _combine(cfg, y, w, biases, meta, dst_row, topk_idx):
     return out, jnp.where(valid, got, 0.0)
 
 
-def _combine_dtype(dtype):
-    return dtype if np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float32)) else jnp.float32
-
-
-# --------------------------------------------------------------------------------------------- dispatch vjp
-# The operands of the native dispatch (_ep_flat._dispatch_raw / _cached_raw): routing = (topk_idx,) fresh,
-# (meta, psum_rank, psum_expert, unaligned, dst_row, topk_idx) cached; outputs as theirs.
-def _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token):
+# ---------------------------------------------------------------------------------------------- raw calls
+# The signatures, operands and outputs of the flat path's native calls (_ep_flat._dispatch_raw, _cached_raw,
+# _combine_raw): absent weights / scales are empty arrays, a fresh dispatch returns every handle array.
+def _dispatch_raw(cfg, zero_padding, x, w, sf, topk_idx, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
-    token, checked = _guard(cfg, token, None if cached else routing[0], combine=False)
-    if not cached:
-        routing = (checked,)  # the layout comes from the guard's copy: it cannot be computed before the check
-    x, w, sf, routing, token = _fence(x, w, sf, routing, token)
-    if cached:
-        meta, psum_rank, _, _, dst_row, topk_idx = routing
-        src_tok, src_entry = _replay(cfg, meta, psum_rank)
-        recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
-        outs = _fence(recv_x, recv_sf, recv_w, token)
-        return outs, (meta, dst_row, topk_idx)
-    (topk_idx,) = routing
-    handle, src_tok, src_entry = _routing(cfg, topk_idx)
-    recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, gsz = handle
+    token, checked = _guard(cfg, token, topk_idx, combine=False)
+    # the layout comes from the guard's copy of topk_idx: it cannot be computed before the check
+    x, w, sf, checked, token = _fence(x, w, sf, checked, token)
+    handle, src_tok, src_entry = _routing(cfg, checked)
+    recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, group_sizes = handle
     recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
-    outs = _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv, gsz,
-                  token)
-    return outs, (meta, dst_row, topk_idx)
+    return _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv,
+                  group_sizes, token)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def dispatch_p(cfg, zero_padding, cached, x, w, sf, routing, token):
-    """The native dispatch at one rank (same operands, same outputs, same gradients)."""
-    return _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token)[0]
+def _cached_raw(cfg, zero_padding, x, w, sf, meta, psum_rank, psum_expert, unaligned, dst_row, token):
+    del zero_padding, psum_expert, unaligned, dst_row  # the layout is replayed from meta and psum_rank alone
+    token, _ = _guard(cfg, token, combine=False)
+    x, w, sf, meta, psum_rank, token = _fence(x, w, sf, meta, psum_rank, token)
+    src_tok, src_entry = _replay(cfg, meta, psum_rank)
+    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
+    return _fence(recv_x, recv_sf, recv_w, token)
 
 
-def _dispatch_fwd(cfg, zero_padding, cached, x, w, sf, routing, token):
-    outs, saved = _dispatch_impl(cfg, zero_padding, cached, x, w, sf, routing, token)
-    return outs, (saved, x, w, routing, token)
-
-
-def _zero_if_symbolic(g, shape, dtype):
-    if g is None or (hasattr(g, "dtype") and g.dtype == jax.dtypes.float0):
-        return jnp.zeros(shape, dtype)
-    return g
-
-
-def _dispatch_bwd(cfg, zero_padding, cached, saved, g):
-    """d x = combine of the recv_x cotangent (float32 sums in the combine dtype, cast to x's dtype; none for
-    float8), d w = its routing of the recv_topk_weights cotangent, the token's cotangent passes through."""
-    (meta, dst_row, topk_idx), x, w, routing, token = saved
-    g_x, g_w, g_tok = (g[0], g[2], g[3]) if cached else (g[0], g[3], g[-1])
-    g_tok, _ = _guard(cfg, _zero_if_symbolic(g_tok, (), token.dtype), combine=True)  # the kernels: a combine
-    g_x, g_w, g_tok = _fence(g_x, g_w, g_tok)
-    g_x = _zero_if_symbolic(g_x, (cfg.rows, x.shape[1]), x.dtype)
-    y = g_x.astype(_combine_dtype(g_x.dtype))
-    has_w = w.shape[1] != 0
-    wshape = (cfg.rows,) if cfg.expand else (cfg.token_rows, cfg.topk)
-    gw = _zero_if_symbolic(g_w, wshape, jnp.float32) if has_w else jnp.zeros((0,), jnp.float32)
-    dx, dw = _combine(cfg, y, gw, (), meta, dst_row, topk_idx)
-    dx = None if np.dtype(x.dtype) == np.dtype(jnp.float8_e4m3fn) else dx.astype(x.dtype)
-    dx, dw, g_tok = _fence(dx, dw, g_tok)
-    return dx, (dw if has_w else None), None, tuple(None for _ in routing), g_tok
-
-
-dispatch_p.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-# ---------------------------------------------------------------------------------------------- combine vjp
-# The operands of the native combine (_ep_flat._combine_raw): harr = (meta, dst_row, topk_idx, psum_rank,
-# psum_expert, unaligned, recv_topk).
-def _combine_impl(cfg, y, w, biases, harr, token):
+def _combine_raw(cfg, y, w, biases, meta, dst_row, topk_idx, psum_rank, token):
+    del psum_rank  # dst_row names the receive row of every token
     token, _ = _guard(cfg, token, combine=True)
-    y, w, biases, harr, token = _fence(y, w, tuple(biases), harr, token)
-    meta, dst_row, topk_idx = harr[:3]
+    y, w, biases, meta, dst_row, topk_idx, token = _fence(y, w, tuple(biases), meta, dst_row, topk_idx, token)
     cx, cw = _combine(cfg, y, w, biases, meta, dst_row, topk_idx)
     return _fence(cx, cw, token)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine_p(cfg, y, w, biases, harr, token):
-    """The native combine at one rank (same operands, same outputs, same gradients)."""
-    return _combine_impl(cfg, y, w, biases, harr, token)
+# ------------------------------------------------------------------------- the path (see jax_engram._ep_autodiff)
+def dispatch_impl(cfg, zero_padding, x, w, sf, topk_idx, token):
+    """(recv_x, recv_sf, recv_w, handle) of a dispatch at one rank."""
+    return _ep_flat.dispatch_with(_dispatch_raw, cfg, zero_padding, x, w, sf, topk_idx, token)
 
 
-def _combine_fwd(cfg, y, w, biases, harr, token):
-    return _combine_impl(cfg, y, w, biases, harr, token), (y, w, biases, harr, token)
+def cached_impl(cfg, zero_padding, x, w, sf, handle, token):
+    """(recv_x, recv_sf, recv_w, token) of a cached dispatch at one rank through ``handle``."""
+    return _ep_flat.cached_with(_cached_raw, cfg, zero_padding, x, w, sf, handle, token)
 
 
-def _combine_bwd(cfg, saved, g):
-    """d y = the cached dispatch of the combined_x cotangent (rows combine does not read are 0), d w = its
-    routing, d bias = the cotangent (cast to the bias dtype)."""
-    y, w, biases, harr, token = saved
-    meta, _, _, psum_rank, _, _, recv_topk = harr
-    g_x, g_w, g_tok = g
-    g_tok, _ = _guard(cfg, _zero_if_symbolic(g_tok, (), token.dtype), combine=False)  # the kernels: a cached dispatch
-    g_x, g_w, g_tok = _fence(g_x, g_w, g_tok)
-    N, H, K = cfg.num_tokens, y.shape[1], cfg.topk
-    g_x = _zero_if_symbolic(g_x, (N, H), y.dtype)
-    src_tok, src_entry = _replay(cfg, meta, psum_rank)
-    has_w = w.size != 0
-    gw = _zero_if_symbolic(g_w, (N, K), jnp.float32) if has_w else jnp.zeros((N, 0), jnp.float32)
-    dy, _, dw = _move(cfg, g_x, gw, jnp.zeros((N, 0), jnp.float32), src_tok, src_entry)
-    if has_w and not cfg.expand:
-        dw = jnp.where(recv_topk >= 0, dw, 0.0)
-    db = tuple(g_x.astype(b.dtype) for b in biases)
-    dy, dw, db, g_tok = _fence(dy, dw, db, g_tok)
-    return dy, (dw if has_w else None), db, tuple(None for _ in harr), g_tok
+def combine_impl(cfg, y, w, biases, handle, token):
+    """(combined_x, combined_w, token) of a combine at one rank through ``handle``."""
+    return _ep_flat.combine_with(_combine_raw, cfg, y, w, biases, handle, token)
 
 
-combine_p.defvjp(_combine_fwd, _combine_bwd)
+# ------------------------------------------------------------------------------------------- entry points
+def dispatch(args):
+    """``jax_engram.dispatch`` over a flat context of one rank (same arguments and results as the flat path)."""
+    return _ep_flat.dispatch_on(sys.modules[__name__], args)
+
+
+def combine(args):
+    """``jax_engram.combine`` of a one-rank dispatch (same arguments and results as the flat path)."""
+    return _ep_flat.combine_on(sys.modules[__name__], args)
+
+
+def path(cfg):
+    """The path of an op of a flat group of this dispatch config: this module where :func:`applies` (one rank,
+    ``EPConfig.one_rank == "local"``), else the native kernels' (:mod:`jax_engram._ep_flat`)."""
+    return sys.modules[__name__] if applies(cfg.ctx, cfg.ep) else _ep_flat

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engram import _call, _ffi, _jax_private, _scaleout_gin
+from jax_engram import _call, _ep_guard, _ffi, _jax_private, _scaleout_gin
 from jax_engram._exchange import Exchange
 from jax_engram.config import EPConfig, ep_config as _ep_config
 
@@ -409,8 +409,7 @@ class Context:
         trace time and passes to the kernel; it does not depend on the layout (expand or not). For benchmarks and
         diagnosis; it does not change the results."""
         cfg = self.ep_config if config is None else _ep_config(config, "Context.dispatch_path: config")
-        from jax_engram import _ep_local
-        if _ep_local.applies(self, cfg):
+        if _ep_guard.applies(self, cfg):
             return "local (one rank)"
         pieces = self._copy_pieces(int(max_tokens_per_rank), int(hidden_bytes), int(topk), int(num_experts), cfg)
         if self.platform != "gpu":

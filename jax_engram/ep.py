@@ -43,9 +43,9 @@ from typing import Optional
 
 import jax
 
-from jax_engram import _ep_args, _ep_flat, _ep_hier
-from jax_engram._ep_types import (MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, CombineResult, DispatchResult, EPHandle,
-                                  combine_staging_bytes, dispatch_staging_bytes, expand_rows)
+from jax_engram import _ep_args, _ep_hier, _ep_local
+from jax_engram._ep_types import (MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, CombineResult, DispatchConfig,
+                                  DispatchResult, EPHandle, combine_staging_bytes, dispatch_staging_bytes, expand_rows)
 from jax_engram.config import EPConfig, ep_config as _ep_config
 from jax_engram.context import AnyContext, HierContext
 
@@ -56,13 +56,16 @@ for _public in (EPHandle, DispatchResult, CombineResult):  # defined in _ep_type
     _public.__module__ = __name__
 
 
-def _path(ctx):
-    """The module whose ``dispatch(DispatchArgs)`` / ``combine(CombineArgs)`` run an op over ``ctx``: the
-    hierarchical path for a ("node", "gpu") group, else the flat one. A path for other group shapes (e.g. one
-    rank) is chosen here, by one more line."""
-    if isinstance(ctx, HierContext):
+def _path(cfg: DispatchConfig):
+    """The module whose ``dispatch(DispatchArgs)`` / ``combine(CombineArgs)`` run an op of this dispatch config
+    (``args.config``; a combine's is its handle's): the hierarchical path for a ("node", "gpu") group, the one-rank
+    path for a flat context of one rank with ``EPConfig.one_rank == "local"`` (the default), else the flat path on
+    the native kernels (:func:`jax_engram._ep_local.path`, which the hierarchical path's intra-node ops use too: a
+    node of one rank takes the one-rank path). Each runs under the one gradient rule per op of
+    :mod:`jax_engram._ep_autodiff`."""
+    if isinstance(cfg.ctx, HierContext):
         return _ep_hier
-    return _ep_flat
+    return _ep_local.path(cfg)
 
 
 def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: Optional[jax.Array] = None, *,
@@ -108,8 +111,9 @@ def dispatch(x: jax.Array, topk_idx: Optional[jax.Array] = None, topk_weights: O
         expand=expand, expert_alignment=expert_alignment, zero_padding=zero_padding, x_scales=x_scales,
         handle=handle, num_sms=num_sms, token=after, validate_routing=validate_routing,
         config=None if config is None else _ep_config(config, "jax_engram.dispatch: config"))
-    # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
-    return _path(ctx).dispatch(args)
+    # Every argument is checked: from here on only the path differs (chosen by the context and its EPConfig,
+    # see _path).
+    return _path(args.config).dispatch(args)
 
 
 def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array] = None,
@@ -134,5 +138,6 @@ def combine(y: jax.Array, handle: EPHandle, *, topk_weights: Optional[jax.Array]
     float32 or None, ``done`` float32 [].
     """
     args = _ep_args.combine_args(y, handle, topk_weights=topk_weights, bias=bias, token=after)
-    # Every argument is checked: from here on only the path differs (chosen by the context, see _path).
-    return _path(args.config.ctx).combine(args)
+    # Every argument is checked: from here on only the path differs (chosen by the context and its EPConfig,
+    # see _path).
+    return _path(args.config).combine(args)

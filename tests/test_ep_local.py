@@ -233,6 +233,41 @@ def test_one_rank_path_calls_only_its_guards_and_takes_no_region(contexts):
     assert re.search(rf"get-tuple-element\(%{re.escape(guard.group(1))}\), index=1", compiled), compiled
 
 
+def test_one_rank_path_is_chosen_in_ep_path_and_differentiated_by_the_shared_rules(contexts, monkeypatch):
+    # jax_engram.ep._path picks the path per context and EPConfig; the one-rank path defines no gradient rule of its
+    # own: the backward of its dispatch is its combine_impl and the backward of its combine its cached_impl, under
+    # _ep_autodiff's one custom_vjp per op (as for the flat and hierarchical paths)
+    from types import SimpleNamespace
+    from jax_engram import _ep_flat, _ep_local, ep
+    mesh, local, native = contexts
+    assert ep._path(SimpleNamespace(ctx=local, ep=local.ep_config)) is _ep_local
+    assert ep._path(SimpleNamespace(ctx=native, ep=native.ep_config)) is _ep_flat
+    assert ep._path(SimpleNamespace(ctx=local, ep=je.EPConfig(one_rank="kernels"))) is _ep_flat
+    assert not [n for n, v in vars(_ep_local).items() if isinstance(v, jax.custom_vjp)]
+    assert not [n for n, v in vars(_ep_flat).items() if isinstance(v, jax.custom_vjp)]
+
+    calls = []
+    for name in ("dispatch_impl", "cached_impl", "combine_impl"):
+        def counted(*a, _name=name, _f=getattr(_ep_local, name)):
+            calls.append(_name)
+            return _f(*a)
+        monkeypatch.setattr(_ep_local, name, counted)
+    N, H, K, E = 8, 16, 2, 4
+    kw = dict(ctx=local, num_experts=E, max_tokens_per_rank=N)
+    idx = jnp.tile(jnp.arange(K, dtype=jnp.int32), (N, 1))
+
+    def grads(x):
+        def loss(x):
+            r = je.dispatch(x, idx, **kw)
+            return je.combine(r.recv_x, r.handle).combined_x.sum()
+        return jax.grad(loss)(x)
+    f = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    g = f(jnp.ones((N, H), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(g), np.ones((N, H), np.float32))  # one row per token and rank
+    # forward: dispatch + combine; backward: combine's (a cached dispatch), then dispatch's (a combine)
+    assert sorted(calls) == ["cached_impl", "combine_impl", "combine_impl", "dispatch_impl"], calls
+
+
 # ------------------------------------------------------------------------------------------------- errors
 # At one rank the local path must fail exactly where the kernels fail, with the same exceptions and messages (the
 # context id aside): bad routing (the call on CPU, the next op on GPU; ctx.check() in both), every op of a context
