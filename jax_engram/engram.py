@@ -109,9 +109,9 @@ def _check_config(pre: str, config):
     return config
 
 
-def _check_choice(what: str, value, choices) -> int:
+def _check_choice(op: str, what: str, value, choices) -> int:
     if value not in choices:
-        raise ValueError(f"jax_engram Engram: {what} must be one of {tuple(choices)}, got {value!r}")
+        raise ValueError(f"jax_engram EngramTable.{op}: {what} must be one of {tuple(choices)}, got {value!r}")
     return choices[value]
 
 
@@ -283,7 +283,7 @@ class EngramTable:
         """Local shape of the sf output of a lookup of [num_tokens, ids_per_token] ids (``(0,)`` without scale
         factors): "row" -> [num_tokens, ids_per_token*P], "tma_col_major" -> [ids_per_token*P,
         align(num_tokens, 4)]."""
-        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        _check_choice("sf_shape", "sf_layout", sf_layout, SF_LAYOUTS)
         if not self.num_sf_packs:
             return (0,)
         packs = ids_per_token * self.num_sf_packs
@@ -389,8 +389,8 @@ class EngramTable:
             return self._fetch_hierarchical(indices, after, mode, sf_layout, config)
         _call.check_axis(self.ctx, "EngramTable.fetch")
         cfg = _check_config("jax_engram EngramTable.fetch", config) or self.config
-        mode_i = _check_choice("mode", mode, ENGRAM_MODES)
-        layout_i = _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        mode_i = _check_choice("fetch", "mode", mode, ENGRAM_MODES)
+        layout_i = _check_choice("fetch", "sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
         T, E = indices.shape
         # Ordering only (stop_gradient: under jax.grad a differentiated `after` must not reach the FFI call, which
@@ -445,8 +445,8 @@ class EngramTable:
         """fetch on a ("node", "gpu") context: the whole path (inter-node exchange, inner reads, exchange back)
         runs here and ``wait`` only hands the result over."""
         _call.check_axis(self.ctx, "EngramTable.fetch")
-        _check_choice("mode", mode, ENGRAM_MODES)
-        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        _check_choice("fetch", "mode", mode, ENGRAM_MODES)
+        _check_choice("fetch", "sf_layout", sf_layout, SF_LAYOUTS)
         indices = self._indices(indices, "fetch")
         T, E = indices.shape
         sf_dt = self.sf_dtype if self.num_sf_packs else np.dtype(np.int32)
@@ -570,9 +570,9 @@ class EngramTable:
         Ordered after every earlier ``*_global`` call of this table. ``config`` overrides the table's
         :class:`EngramConfig` (its ``lookup_gather`` applies). Returns ``(data, sf or None)``.
         """
-        _check_choice("mode", mode, ENGRAM_MODES)
+        _check_choice("lookup_global", "mode", mode, ENGRAM_MODES)
         config = _check_config("jax_engram EngramTable.lookup_global", config)
-        _check_choice("sf_layout", sf_layout, SF_LAYOUTS)
+        _check_choice("lookup_global", "sf_layout", sf_layout, SF_LAYOUTS)
         mesh, ax = self._mesh_spec()
         if sharded is None and self._hier is not None:
             sharded = self._hier.ids_sharded(ids)

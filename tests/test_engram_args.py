@@ -21,8 +21,8 @@ NEEDLES = {
     "write_sf_dtype": ["TypeError", "sf dtype int32"],
     "fetch_ids_rank": ["ValueError", "indices must be [num_tokens, ids_per_token]", "(6,)"],
     "fetch_ids_float": ["TypeError", "indices must be an integer array", "float32"],
-    "fetch_mode": ["ValueError", "mode must be one of", "'wrap'"],
-    "fetch_sf_layout": ["ValueError", "sf_layout must be one of", "'col'"],
+    "fetch_mode": ["ValueError", "EngramTable.fetch: mode must be one of", "'wrap'"],
+    "fetch_sf_layout": ["ValueError", "EngramTable.fetch: sf_layout must be one of", "'col'"],
     "fetch_config": ["TypeError", "config must be a jax_engram.EngramConfig"],
     "wait_not_pending": ["TypeError", "expected the EngramPending"],
 }
