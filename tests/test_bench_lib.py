@@ -458,3 +458,35 @@ def test_ep_plot_draws_the_p2p_ceiling_on_gpus_only(tmp_path, backend, monkeypat
     assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
     want = [(7.5, "ceiling: P2P copy, one way")] * 2 if backend == "gpu" else []
     assert drawn == want, drawn
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_engram_plot_one_rank_device_panel_is_local_hbm(tmp_path, backend, monkeypatch):
+    """At one rank a device table's rows are all local: plot_engram's bandwidth panel shows local GB/s (nonzero)
+    against the same run's HBM copy ceiling on GPUs, and no ceiling on CPU."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from jax_engram.bench import report
+
+    drawn, ylabels, plotted = [], [], []
+    orig_h, orig_y, orig_p = Axes.axhline, Axes.set_ylabel, Axes.plot
+    monkeypatch.setattr(Axes, "axhline", lambda self, y=0, *a, **k: (drawn.append((y, k.get("label"))),
+                                                                      orig_h(self, y, *a, **k))[1])
+    monkeypatch.setattr(Axes, "set_ylabel", lambda self, s, *a, **k: (ylabels.append(s), orig_y(self, s, *a, **k))[1])
+    monkeypatch.setattr(Axes, "plot", lambda self, xs, ys, *a, **k: (plotted.append((k.get("label"), list(ys))),
+                                                                      orig_p(self, xs, ys, *a, **k))[1])
+    rows = [{"impl": impl, "placement": "device", "hidden": 128, "bytes": b, "us": 10.0}
+            for impl in ("engram fetch+wait", "gspmd take") for b in (4096, 65536)]
+    res = {"env": {"backend": backend, "device_kind": backend}, "ranks": 1, "args": {"E": 24}, "rows": rows,
+           "ceilings": {"local_hbm": {"copy": {"gbps": 3000.0}}}}
+    paths = report.plot_engram(res, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["engram_device.png"]
+    assert "GB/s read from local HBM" in ylabels, ylabels
+    ours = [ys for label, ys in plotted if label == "jax_engram lookup"]
+    assert len(ours) == 2 and all(v > 0 for v in ours[1]), plotted  # latency panel, then local GB/s (not zero)
+    want = [(3000.0, "ceiling: HBM copy (bytes counted once)")] if backend == "gpu" else []
+    assert drawn == want, drawn
