@@ -374,7 +374,8 @@ def _local_pending(p: Any, where: str) -> EngramPending:
 
 def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *,
                     hashing: EngramHashing = EngramHashing(), ids: Optional[jax.Array] = None,
-                    mode: EngramMode = "fill", after: Optional[jax.Array] = None,
+                    mode: EngramMode = "fill",
+                    after: jax.Array | EngramPending | GlobalEngramPending | None = None,
                     config: Optional[EngramConfig] = None) -> EngramPending | GlobalEngramPending:
     """Start an Engram layer's lookups (call it at the start of the step; consume the result at the layer with
     ``engram_layer(..., pending=)`` / ``engram_local(..., pending=)``, in the same jitted program).
@@ -384,14 +385,21 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
     over ``table.ctx``'s axis the shapes are this rank's and the result is the rank's
     :class:`jax_engram.EngramPending` (``table.fetch(..., overlap=True)``); outside, they are global arrays
     sharded (or shardable) along B like :func:`engram_layer`'s, and the result is a
-    :class:`GlobalEngramPending`. ``mode``: out-of-range ids (``EngramTable.fetch``). ``after``: per rank only,
-    orders the reads after another jax_engram op (e.g. a ``table.write`` in the same program). ``config``:
-    overrides the table's :class:`jax_engram.EngramConfig`. The reads need nothing but the token ids, so XLA
-    can start them before any layer runs; on GPU they run beside the work until the wait.
+    :class:`GlobalEngramPending`. ``mode``: out-of-range ids (``EngramTable.fetch``). ``config``: overrides the
+    table's :class:`jax_engram.EngramConfig`. The reads need nothing but the token ids, so XLA can start them
+    before any layer runs; on GPU they run beside the work until the wait.
+
+    ``after``: issue these reads after another op. Another prefetch (what ``engram_prefetch`` returned, in or out
+    of ``shard_map``): a context's fetches run one after another in the order they are issued, so prefetching
+    each layer ``after=`` the previous layer's makes the rows arrive in layer order whatever order XLA would
+    otherwise pick (a layer's wait then never waits for a later layer's rows). Inside ``shard_map`` also any
+    array, e.g. the ``done`` of a ``table.write`` in the same program. It only orders; nothing is waited for.
     """
     where = "jax_engram.layers.engram_prefetch"
     if (token_ids is None) == (ids is None):
         raise TypeError(f"{where}: give exactly one of token_ids [B, S] or ids [B, S, num_heads]")
+    if isinstance(after, (EngramPending, GlobalEngramPending)):
+        after = _local_pending(after, where).status if _inside_shard_map(table.ctx) else after
     if _inside_shard_map(table.ctx):
         if ids is None:
             ids = engram_ids(token_ids, hashing=hashing, total_entries=table.total_entries)
@@ -400,27 +408,32 @@ def engram_prefetch(table: EngramTable, token_ids: Optional[jax.Array] = None, *
             raise ValueError(f"{where}: ids must be [batch, seq, ids_per_token], got shape {ids.shape}")
         B, S, I = ids.shape
         return table.fetch(ids.reshape(B * S, I), after=after, mode=mode, overlap=True, config=config)
-    if after is not None:
-        raise ValueError(f"{where}: after= orders per-rank ops and is only accepted inside shard_map over "
+    if after is not None and not isinstance(after, GlobalEngramPending):
+        raise ValueError(f"{where}: outside shard_map, after= takes another prefetch (a GlobalEngramPending); an "
+                         f"array orders per-rank ops and is only accepted inside shard_map over "
                          f"{table.ctx.axis_name!r}")
     if not _jax_private.tracing():
         # Eagerly, the pending buffers would leave a finished program while (GPU) the reads still fill them.
         raise RuntimeError(f"{where}: call it inside the jitted step that also runs the layer consuming it "
                            "(jax.jit / nnx.jit), not eagerly: a pending lookup lives within one program")
-    fn = _prefetch_fn(table, hashing, mode, config, ids is not None)
-    return fn(ids if token_ids is None else token_ids)
+    fn = _prefetch_fn(table, hashing, mode, config, ids is not None, after is not None)
+    x = ids if token_ids is None else token_ids
+    return fn(x, after.pending.status) if after is not None else fn(x)
 
 
 @functools.lru_cache(maxsize=64)
 def _prefetch_fn(table: EngramTable, hashing: EngramHashing, mode: str, config: Optional[EngramConfig],
-                 from_ids: bool):
+                 from_ids: bool, ordered: bool):
     bs = _batch_spec(table.ctx)
 
-    def body(x):
+    def body(x, *prev_status):
         kw = dict(ids=x) if from_ids else dict(token_ids=x)
-        return _to_global(engram_prefetch(table, hashing=hashing, mode=mode, config=config, **kw))  # type: ignore
+        after = prev_status[0] if prev_status else None  # the previous prefetch's status: issued after it
+        return _to_global(engram_prefetch(table, hashing=hashing, mode=mode, config=config, after=after,
+                                          **kw))  # type: ignore
 
-    return jax.jit(jax.shard_map(body, mesh=table.ctx.mesh, in_specs=(bs,), out_specs=bs))
+    return jax.jit(jax.shard_map(body, mesh=table.ctx.mesh, in_specs=(bs, bs) if ordered else (bs,),
+                                 out_specs=bs))
 
 
 def engram_local(params: Params, hidden: jax.Array, token_ids: Optional[jax.Array] = None, *, table: EngramTable,

@@ -15,7 +15,9 @@ your own ``shard_map`` over the context's axis (local shapes, no second shard_ma
 whole (``nnx.jit``, ``nnx.value_and_grad``)::
 
     def __call__(self, token_ids):
-        pending = [m.prefetch(token_ids) for m in self.memories]   # every Engram layer, at step start
+        pending = []
+        for m in self.memories:                                    # every Engram layer, at step start, in order
+            pending.append(m.prefetch(token_ids, after=pending[-1] if pending else None))
         x = je.start_before(self.embed(token_ids), *pending)       # the fetches are issued before the blocks
         for i, block in enumerate(self.blocks):
             x = block(x)
@@ -130,11 +132,13 @@ class EngramMemory(nnx.Module):
         jax.block_until_ready(t.write_global(rows, sf))
 
     def prefetch(self, token_ids: Optional[jax.Array] = None, *, ids: Optional[jax.Array] = None,
-                 mode: L.EngramMode = "fill") -> EngramPending | L.GlobalEngramPending:
+                 mode: L.EngramMode = "fill",
+                 after: EngramPending | L.GlobalEngramPending | None = None) -> EngramPending | L.GlobalEngramPending:
         """Start this layer's lookups: :func:`jax_engram.layers.engram_prefetch` on the module's table and hashing
         (token_ids int [B, S], or ids int32 [B, S, num_heads]); pass the result to ``__call__(x, pending=)`` in the
-        same jitted program."""
-        return L.engram_prefetch(self.table, token_ids, ids=ids, hashing=self.hashing, mode=mode)
+        same jitted program. ``after``: an earlier layer's prefetch, issued before this one (rows in layer
+        order)."""
+        return L.engram_prefetch(self.table, token_ids, ids=ids, hashing=self.hashing, mode=mode, after=after)
 
     def decode_ids(self, state: L.EngramDecodeState, new_token_ids: jax.Array
                    ) -> tuple[jax.Array, L.EngramDecodeState]:

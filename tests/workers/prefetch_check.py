@@ -40,7 +40,7 @@ NAMES = ["wait_after_under_grad", "two_prefetched_layers_grad_vs_reference", "mo
          "decode_prefetch_layer", "dequantize_semantics", "memory_dim_mismatch_raises", "misuse_errors",
          "hierarchical_context_prefetch_grad", "two_prefetched_layers_grad_inside_user_shard_map",
          "decode_prefetch_in_scan", "checked_mode_through_prefetch", "captured_token_ids_in_jit",
-         "quantize_roundtrip", "nnx_fp8_memory_prefetch"]
+         "quantize_roundtrip", "nnx_fp8_memory_prefetch", "prefetch_after_orders_the_fetches"]
 if args.list:
     print("\n".join(NAMES))
     sys.exit(0)
@@ -245,7 +245,8 @@ def _():
 
         def __call__(self, x, tok):
             if self.prefetch:
-                pend = [m.prefetch(tok) for m in (self.mem1, self.mem2)]   # every Engram layer, at step start
+                pend = [self.mem1.prefetch(tok)]                 # every Engram layer, at step start, in order
+                pend.append(self.mem2.prefetch(tok, after=pend[0]))
                 h = self.mem1(x, pending=pend[0])
                 return self.mem2(jnp.tanh(h @ self.w[...]), pending=pend[1])
             h = self.mem1(x, tok)
@@ -555,6 +556,67 @@ def _():
                                         num_ranks=R, hashing=H1)
         assert rel(a, want) <= 1e-6, (packs, sdt, rel(a, want))
     raises(lambda: mem.write_table(np.zeros((4, 8), jnp.float8_e4m3fn)), ValueError, "scale factors")
+
+
+def _depends(jaxpr, var, targets) -> bool:
+    """Whether ``var`` of ``jaxpr`` is computed from any of ``targets`` (a backward walk over its equations)."""
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    todo, seen = [var], set()
+    while todo:
+        v = todo.pop()
+        if v in targets:
+            return True
+        if v in seen or v not in producer:
+            continue
+        seen.add(v)
+        todo.extend(x for x in producer[v].invars if isinstance(x, jax.extend.core.Var))
+    return False
+
+
+@check("prefetch_after_orders_the_fetches")
+def _():
+    # after= another prefetch: the second layer's fetch is issued after the first's (a data dependence XLA must
+    # keep), in a global program (the second prefetch takes the first's status) and inside a user's shard_map (the
+    # second fetch's ordering operand comes from the first fetch's status); the rows are unchanged.
+    def native(p, x, tok):
+        pend1 = L.engram_prefetch(T1, tok, hashing=H1)
+        pend2 = L.engram_prefetch(T2, tok, hashing=H2, after=pend1)
+        return two_layer_loss(lambda q, h, _: L.engram_layer(q, h, table=T1, hashing=H1, pending=pend1),
+                              lambda q, h, _: L.engram_layer(q, h, table=T2, hashing=H2, pending=pend2))(p, x, tok)
+
+    unordered = two_layer_loss(lambda q, h, t: L.engram_layer(q, h, t, table=T1, hashing=H1),
+                               lambda q, h, t: L.engram_layer(q, h, t, table=T2, hashing=H2))
+    args = (params_g, put(x_h), put(tok_h))
+    assert np.array_equal(np.asarray(jax.jit(native)(*args)), np.asarray(jax.jit(unordered)(*args)))
+    top = jax.make_jaxpr(native)(*args).jaxpr
+    prefetches = [e for e in top.eqns if e.primitive.name in ("pjit", "jit")
+                  and "jax_engram_engram_fetch" in str(e.params.get("jaxpr"))]
+    assert len(prefetches) == 2, [e.primitive.name for e in top.eqns]
+    assert set(prefetches[0].outvars) & set(prefetches[1].invars), "the second prefetch does not take the first's"
+
+    def body(x, t):
+        pend1 = L.engram_prefetch(T1, t, hashing=H1)
+        pend2 = L.engram_prefetch(T2, t, hashing=H2, after=pend1)
+        return T1.wait(pend1, after=x)[0], T2.wait(pend2, after=x)[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=(P("ep"), P("ep")))
+    inner = [e for e in jax.make_jaxpr(f)(put(x_h), put(tok_h)).jaxpr.eqns if e.primitive.name == "shard_map"]
+    inner = inner[0].params["jaxpr"]
+    fetches = [e for e in inner.eqns if e.primitive.name == "jax_engram_ffi_call"
+               and e.params["target"] == "jax_engram_engram_fetch"]
+    assert len(fetches) == 2
+    assert _depends(inner, fetches[1].invars[-1], set(fetches[0].outvars)), "fetch 2 is not ordered after fetch 1"
+    assert not _depends(inner, fetches[0].invars[-1], set(fetches[1].outvars))
+    a, b = jax.jit(f)(put(x_h), put(tok_h))
+    want = jax.jit(jax.shard_map(lambda t: (T1.lookup(L.engram_ids(t, hashing=H1, total_entries=T1.total_entries)
+                                                      .reshape(-1, H1.num_heads))[0],
+                                            T2.lookup(L.engram_ids(t, hashing=H2, total_entries=T2.total_entries)
+                                                      .reshape(-1, H2.num_heads))[0]),
+                                 mesh=mesh, in_specs=P("ep"), out_specs=(P("ep"), P("ep"))))(put(tok_h))
+    assert all(np.array_equal(np.asarray(u).view(np.uint8), np.asarray(w).view(np.uint8))
+               for u, w in zip((a, b), want))
+    raises(lambda: jax.jit(lambda t: L.engram_prefetch(T2, t, hashing=H2, after=jnp.zeros(())))(put(tok_h)),
+           ValueError, "takes another prefetch")
 
 
 print("RESULT " + json.dumps({"checks": checks.results, "devices": R}), flush=True)
