@@ -85,6 +85,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # ---------------------------------------------------------------------------------------
+# One-process workers
+# ---------------------------------------------------------------------------------------
+def run_worker(script: str, *args: str, timeout: float = 600) -> dict:
+    """Run ``tests/workers/<script>`` in a fresh process on the CPU platform and return the dict of its last
+    ``RESULT <json>`` line; the test fails, showing the output tails, if it exits non-zero or prints none."""
+    import json
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, str(WORKERS_DIR / script), *args], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=str(REPO_ROOT))
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return json.loads(lines[-1][7:])
+
+
+def assert_same_message(result: dict, case: str, needles: list[str]) -> None:
+    """An args-check worker's case (``result["cases"][case]``: the message on a flat and on a ("node", "gpu")
+    group): the same text on both, containing every needle."""
+    got = result["cases"][case]
+    assert got["flat"] == got["hier"], got
+    for word in needles:
+        assert word in got["flat"], (case, got["flat"])
+
+
+# ---------------------------------------------------------------------------------------
 # Multi-process jobs (jax_engram.launch)
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")

@@ -3,14 +3,9 @@
 tables stay usable afterwards."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO_ROOT, WORKERS_DIR
+from conftest import assert_same_message, run_worker
 
 # case -> words its message must contain (the user's arguments and the table's numbers)
 NEEDLES = {
@@ -30,12 +25,7 @@ NEEDLES = {
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, str(WORKERS_DIR / "engram_args_check.py")], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=str(REPO_ROOT))
-    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    return json.loads(lines[-1][7:])
+    return run_worker("engram_args_check.py")
 
 
 def test_every_case_ran(result):
@@ -44,10 +34,7 @@ def test_every_case_ran(result):
 
 @pytest.mark.parametrize("case", sorted(NEEDLES))
 def test_same_message_on_flat_and_node_gpu_groups(result, case):
-    got = result["cases"][case]
-    assert got["flat"] == got["hier"], got
-    for word in NEEDLES[case]:
-        assert word in got["flat"], (case, got["flat"])
+    assert_same_message(result, case, NEEDLES[case])
 
 
 def test_tables_stay_usable(result):

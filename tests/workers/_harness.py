@@ -234,6 +234,18 @@ def make_ids(seed, rows, E, total, special=True):
 
 
 # ------------------------------------------------------------------------------------------ placement
+def group_meshes(devices) -> dict:
+    """The same devices as both group shapes the args checks compare: ``{"flat": (mesh, "ep"), "hier": (mesh,
+    ("node", "gpu"))}``, the second with 2 nodes (explicit axes)."""
+    import jax
+
+    explicit = jax.sharding.AxisType.Explicit
+    devs = np.array(devices)
+    return {"flat": (jax.sharding.Mesh(devs, ("ep",), axis_types=(explicit,)), "ep"),
+            "hier": (jax.sharding.Mesh(devs.reshape(2, -1), ("node", "gpu"), axis_types=(explicit, explicit)),
+                     ("node", "gpu"))}
+
+
 def shard(a, mesh, spec):
     """The global jax array of host array a (the same in every process) placed on mesh by spec; each process
     builds only its own shards."""

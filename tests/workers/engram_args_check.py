@@ -27,12 +27,11 @@ except ModuleNotFoundError:  # run straight from a source checkout
     import jax_engram as je
 from jax_engram import layers as L  # noqa: E402
 
+from _harness import group_meshes  # noqa: E402
+
 R, N, D = 4, 8, 4
 devs = jax.devices()[:R]
-AxT = jax.sharding.AxisType.Explicit
-GROUPS = {"flat": (jax.sharding.Mesh(np.array(devs), ("ep",), axis_types=(AxT,)), "ep"),
-          "hier": (jax.sharding.Mesh(np.array(devs).reshape(2, 2), ("node", "gpu"), axis_types=(AxT, AxT)),
-                   ("node", "gpu"))}
+GROUPS = group_meshes(devs)
 
 # name -> fn(table, storage [N, D] f32, sf [R*N, 1] f32, ids [T, 2] int32) run per rank; the table has one sf pack
 CASES = {

@@ -27,12 +27,11 @@ except ModuleNotFoundError:  # run straight from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import jax_engram as je
 
+from _harness import group_meshes  # noqa: E402
+
 R, M, H, E, K = 4, 8, 16, 8, 2
 devs = jax.devices()[:R]
-AxT = jax.sharding.AxisType.Explicit
-GROUPS = {"flat": (jax.sharding.Mesh(np.array(devs), ("ep",), axis_types=(AxT,)), "ep"),
-          "hier": (jax.sharding.Mesh(np.array(devs).reshape(2, 2), ("node", "gpu"), axis_types=(AxT, AxT)),
-                   ("node", "gpu"))}
+GROUPS = group_meshes(devs)
 bf, f32, i32, fp8 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.float8_e4m3fn
 
 
