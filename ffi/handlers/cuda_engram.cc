@@ -1,29 +1,29 @@
 // CUDA handlers of the Engram ops (same names, operands and attribute structs as cpu_engram.cc:
 // engram_bindings.h).
 //
-// write: make XLA's stream wait for this member's side stream (no fetch of ours still reads the old table),
-//        barrier kernel, copy kernel into the own region (ends with a system fence: published), copy of the
-//        replicated sf table, barrier kernel; all on XLA's stream.
+// write: make XLA's stream wait for this member's side stream, queued fetches included (none of ours still reads
+//        the old table), barrier kernel, copy kernel into the own region (ends with a system fence: published), copy
+//        of the replicated sf table, barrier kernel; all on XLA's stream.
 // fetch: overlap=1 and a side stream: record an event on XLA's stream, make the side stream wait for it, launch
 //        the gather on the side stream (fetch returns at once; XLA work placed before wait overlaps the reads),
-//        then record the fetch's slot event there. overlap=0 (lookup = fetch + wait back to back) or no side
-//        stream: the gather runs on XLA's stream. A host-placed table with host_gather=1 (and CPU access to its
-//        segments) takes the host path (engram_host.h: CPU workers + copy engine, no SMs for the rows); else the
-//        GPU gather kernel.
-// wait:  overlap=1: make XLA's stream wait for the fetch's slot event (only that fetch, not later ones; slot 0: for
-//        everything on the side stream so far). The data / sf results alias the operands (input_output_aliases), so the buffers XLA allocated for fetch stay alive until here.
-// checked mode: the range check runs on the device; the first bad position is left in the status result, which
-//        engram.py's wait hands to a host callback that fails the call (the context is not poisoned).
+//        then record the fetch's slot event there (engram_order.h). overlap=0 (lookup = fetch + wait back to back)
+//        or no side stream: the gather runs on XLA's stream. A host-placed table with host_gather=1 (and CPU access
+//        to its segments) takes the host path (engram_host.h: CPU workers + copy engine, no SMs for the rows); else
+//        the GPU gather kernel. The overlapped host path records only the fork here and leaves the side stream's
+//        work to the member's enqueue thread (engram_host.h), so XLA's launch thread goes on at once.
+// wait:  overlap=1: once the enqueue thread has enqueued the fetch (bounded; its failure is reported here), make
+//        XLA's stream wait for the fetch's slot event (only that fetch, not later ones; slot 0: for everything on the
+//        side stream so far). The data / sf results alias the operands (input_output_aliases) and the ids are an
+//        operand too, so the buffers the fetch reads and writes stay alive until here.
+// checked mode: the range check runs on the device and leaves the first bad position in the status result; the
+//        wait reads it back (a host sync) and fails the call naming the id (refuse_out_of_range). Nothing is
+//        recorded in the context, which stays usable.
 // Not command-buffer compatible: they read host state (peer tables, streams, error record) per call.
 #include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <cstdio>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 
 #include "handlers/common.h"
 #include "handlers/cuda_common.h"
@@ -33,6 +33,7 @@
 #include "kernels/cuda/base.h"
 #include "kernels/cuda/engram.cuh"
 #include "kernels/cuda/engram_host.h"
+#include "kernels/cuda/engram_order.h"
 #include "runtime/cuda_member.h"
 #include "runtime/env.h"
 
@@ -60,65 +61,17 @@ ffi::Error enter_device(Member& m, int32_t op, CudaDeviceGuard& g) {
   return ffi::Error::Success();
 }
 
-// Events for ordering XLA's stream and the member's side stream (fork: XLA -> side, join: side -> XLA). Our own
-// pair per member, so that an event is never re-recorded by another op between its record and its wait; the
-// mutex keeps each record+wait pair atomic if several host threads drive the same device.
-// Per-slot events: an overlapped fetch records its slot's event after its work on the side stream, and its wait
-// waits for that event only, so a wait never waits for a later fetch (EngramFetchAttrs::slot). cudaStreamWaitEvent
-// takes the event's state at the call, so the next step re-recording the slot is harmless. Like the pair, they
-// live as long as the process (a few per fetch call site).
-struct StreamEvents {
-  std::mutex mu;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  std::map<int64_t, cudaEvent_t> slots;
-};
-
-ffi::Error stream_events(Member& m, int32_t op, StreamEvents** out) {
-  static std::mutex mu;
-  static auto* table = new std::map<std::pair<int64_t, int32_t>, std::unique_ptr<StreamEvents>>();  // leaked
-  std::lock_guard<std::mutex> lock(mu);
-  auto& slot = (*table)[{m.ctx_id, m.ordinal}];
-  if (!slot) {
-    auto ev = std::make_unique<StreamEvents>();
-    cudaError_t e = cudaEventCreateWithFlags(&ev->fork, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->join, cudaEventDisableTiming);
-    if (e != cudaSuccess) {
-      if (ev->fork) cudaEventDestroy(ev->fork);
-      return cuda_failure(op, "creating the stream-ordering events", e);
-    }
-    slot = std::move(ev);
-  }
-  *out = slot.get();
-  return ffi::Error::Success();
+// Stream ordering through the member's events (kernels/cuda/engram_order.h), as an FFI error.
+ffi::Error order_after(CudaMemberState& st, int32_t op, cudaStream_t from, cudaStream_t to, bool fork) {
+  std::string what;
+  cudaError_t e = engram_order_after(st, from, to, fork, &what);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure(op, what, e);
 }
 
-// `to` waits for the work enqueued on `from` so far.
-ffi::Error order_after(Member& m, int32_t op, cudaStream_t from, cudaStream_t to, bool fork) {
-  StreamEvents* ev;
-  if (auto e = stream_events(m, op, &ev); !e.success()) return e;
-  std::lock_guard<std::mutex> lock(ev->mu);
-  cudaEvent_t x = fork ? ev->fork : ev->join;
-  cudaError_t e = cudaEventRecord(x, from);
-  if (e == cudaSuccess) e = cudaStreamWaitEvent(to, x, 0);
-  if (e != cudaSuccess) return cuda_failure(op, "ordering XLA's stream and the side stream", e);
-  return ffi::Error::Success();
-}
-
-// Records the slot's event on `side` (after the fetch's work) or makes `stream` wait for it (the wait).
-ffi::Error slot_event(Member& m, int32_t op, int64_t slot, cudaStream_t side, cudaStream_t stream, bool record) {
-  StreamEvents* ev;
-  if (auto e = stream_events(m, op, &ev); !e.success()) return e;
-  std::lock_guard<std::mutex> lock(ev->mu);
-  cudaEvent_t& x = ev->slots[slot];
-  cudaError_t e = cudaSuccess;
-  if (!x) e = cudaEventCreateWithFlags(&x, cudaEventDisableTiming);
-  if (e != cudaSuccess) {
-    x = nullptr;
-    return cuda_failure(op, "creating the fetch's slot event", e);
-  }
-  e = record ? cudaEventRecord(x, side) : cudaStreamWaitEvent(stream, x, 0);
-  if (e != cudaSuccess) return cuda_failure(op, "ordering the wait after its fetch (slot event)", e);
-  return ffi::Error::Success();
+ffi::Error slot_record(CudaMemberState& st, int32_t op, int64_t slot, cudaStream_t side) {
+  std::string what;
+  cudaError_t e = engram_slot_record(st, slot, side, &what);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure(op, what, e);
 }
 
 ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage,
@@ -136,10 +89,13 @@ ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
-  // Our own fetches of the old table (side stream) finish before we arrive at the barrier; every peer does
-  // the same, so after the barrier nobody reads the old rows.
-  if (st.side_stream)
-    if (auto e = order_after(m, op, st.side_stream, stream, false); !e.success()) return e;
+  // Our own fetches of the old table (side stream, the queued ones included) finish before we arrive at the barrier;
+  // every peer does the same, so after the barrier nobody reads the old rows.
+  if (st.side_stream) {
+    if (std::string msg = engram_host_enqueued(m, st, 0, false); !msg.empty())
+      return op_error(op, msg, ffi::ErrorCode::kDeadlineExceeded);
+    if (auto e = order_after(st, op, st.side_stream, stream, false); !e.success()) return e;
+  }
   const SyncArgs sync = make_sync_args(m, op);
   cudaError_t ce = launch_barrier(sync, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
@@ -177,11 +133,8 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
-  cudaStream_t run_on = stream;
-  if (at.overlap && st.side_stream) {
-    if (auto e = order_after(m, op, stream, st.side_stream, true); !e.success()) return e;
-    run_on = st.side_stream;
-  }
+  const bool overlap = at.overlap && st.side_stream;
+  cudaStream_t run_on = overlap ? st.side_stream : stream;
   const uint64_t table_bytes = static_cast<uint64_t>(num_entries) * row_bytes;
   const bool in_device = region_in_device_segments(*a, static_cast<uint64_t>(offset), table_bytes);
   if (at.host_gather == engram::kHostGatherCpu && a->cpu_readable &&
@@ -205,19 +158,25 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     h.sf_out = static_cast<uint32_t*>(sf_out->untyped_data());
     h.status = static_cast<int32_t*>(status->untyped_data());
     h.threads = static_cast<int>(at.host_threads);
-    std::string what;
     const auto t0 = std::chrono::steady_clock::now();
-    cudaError_t he = launch_engram_host_fetch(h, run_on, &what);
-    if (he != cudaSuccess) return cuda_failure(op, "the host path (" + what + ")", he);
+    if (overlap) {  // queued on the member's enqueue thread (engram_host.h): XLA's launch thread goes on at once
+      std::string msg = enqueue_engram_host_fetch(h, stream, at.slot);
+      if (!msg.empty()) return op_error(op, "rank " + std::to_string(m.rank) + ": " + msg, ffi::ErrorCode::kInternal);
+    } else {
+      std::string what;
+      cudaError_t he = launch_engram_host_fetch(h, stream, &what);
+      if (he != cudaSuccess) return cuda_failure(op, "the host path (" + what + ")", he);
+    }
     if (engram_trace())
       std::fprintf(stderr, "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement host overlap %d "
-                   "ran cpu (host gather, sf %s), enqueued in %.1f us\n", m.rank, static_cast<long long>(T),
-                   static_cast<long long>(E), static_cast<long long>(row_bytes),
-                   static_cast<int>(at.overlap && run_on != stream), !(sf_table && P > 0) ? "none" : "gpu",
+                   "ran cpu (host gather, sf %s), %s in %.1f us\n", m.rank, static_cast<long long>(T),
+                   static_cast<long long>(E), static_cast<long long>(row_bytes), static_cast<int>(overlap),
+                   !(sf_table && P > 0) ? "none" : "gpu", overlap ? "queued" : "enqueued",
                    std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
     return ffi::Error::Success();
   }
+  if (overlap)
+    if (auto e = order_after(st, op, stream, st.side_stream, true); !e.success()) return e;
   EngramFetchArgs f;
   f.ids = static_cast<const int32_t*>(indices.untyped_data());
   f.T = T;
@@ -259,12 +218,12 @@ ffi::Error EngramFetchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                  "jax_engram engram fetch: rank %d T %lld E %lld row_bytes %lld placement %s overlap %d asked %s "
                  "ran %s sms %d chunk_bytes %lld chunks %lld smem %lld\n",
                  m.rank, static_cast<long long>(T), static_cast<long long>(E), static_cast<long long>(row_bytes),
-                 f.device_memory ? "device" : "host", static_cast<int>(at.overlap && run_on != stream),
+                 f.device_memory ? "device" : "host", static_cast<int>(overlap),
                  gather_name(f.gather), gather_name(info.gather),
                  info.sms, static_cast<long long>(info.chunk_bytes), static_cast<long long>(info.chunks),
                  static_cast<long long>(info.smem_bytes));
   }
-  if (run_on != stream && at.slot > 0) return slot_event(m, op, at.slot, run_on, stream, true);
+  if (overlap && at.slot > 0) return slot_record(st, op, at.slot, run_on);
   return ffi::Error::Success();
 }
 
@@ -283,10 +242,14 @@ ffi::Error EngramWaitCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
   if (at.overlap && st.side_stream) {
+    // A fetch queued on the enqueue thread is on the side stream first; a failure to enqueue it fails the fetch here.
+    if (std::string msg = engram_host_enqueued(m, st, at.slot, true); !msg.empty())
+      return op_error(kOpEngramFetch, msg, ffi::ErrorCode::kInternal);
     // The fetch's own event (slot > 0); else everything on the side stream so far.
-    auto e = at.slot > 0 ? slot_event(m, op, at.slot, st.side_stream, stream, false)
-                         : order_after(m, op, st.side_stream, stream, false);
-    if (!e.success()) return e;
+    std::string what;
+    cudaError_t ce = at.slot > 0 ? engram_slot_wait(st, at.slot, stream, &what)
+                                 : engram_order_after(st, st.side_stream, stream, false, &what);
+    if (ce != cudaSuccess) return cuda_failure(op, what, ce);
   }
   if (at.check_total > 0) {
     // mode="checked": the fetch's device-side range check left the first bad flat position in `status`; read it

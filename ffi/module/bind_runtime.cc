@@ -1,5 +1,6 @@
 #include "module/bind_runtime.h"
 
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -12,6 +13,7 @@
 #include "jax_engram/ep_layout.h"
 #include "kernels/cpu/engram.h"
 #include "runtime/host_gather.h"
+#include "runtime/ordered_worker.h"
 
 namespace nb = nanobind;
 
@@ -212,6 +214,26 @@ void bind_runtime(nb::module_& m, const char* platform) {
     if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
   }, nb::arg("ctx_id"), "Test hook: the next host gather job of every local member of the context fails inside "
                         "its worker.");
+  // The ordered worker thread (runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU, exposed
+  // for its own test on any machine. Tasks are Python callables (run holding the GIL); waits release it.
+  nb::class_<OrderedWorker>(m, "_OrderedWorker")
+      .def(nb::init<const std::string&>(), nb::arg("name"))
+      .def("submit", [](OrderedWorker& w, std::function<void()> f) { return w.submit(std::move(f)); }, nb::arg("task"))
+      .def("wait", &OrderedWorker::wait, nb::arg("ticket"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
+      .def("drain", &OrderedWorker::drain, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
+      .def("submitted", &OrderedWorker::submitted)
+      .def("completed", &OrderedWorker::completed)
+      .def("stop", &OrderedWorker::stop, nb::call_guard<nb::gil_scoped_release>());
+  m.def("_test_fail_next_host_enqueue", [](int64_t ctx) {
+    int n = 0;
+    for (Member* mem : registry().members())
+      if (mem->ctx_id == ctx) {
+        mem->host_enqueue_fail_next.store(true);
+        ++n;
+      }
+    if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
+  }, nb::arg("ctx_id"), "Test hook (CUDA): the next overlapped host-path fetch of every local member of the context "
+                        "fails on the enqueue thread instead of being enqueued.");
   m.def("host_gather_threads", [](int64_t ctx, int32_t ordinal) {
     Member* mem = registry().find(ctx, ordinal);
     if (!mem) throw std::runtime_error("no such member");

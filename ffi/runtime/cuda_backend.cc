@@ -184,7 +184,6 @@ class CudaBackend final : public Backend {
         if (ev) cudaEventDestroy(ev);
       for (auto& cs : st->ep_copy_streams)
         if (cs) cudaStreamDestroy(cs);
-      if (st->side_event) cudaEventDestroy(st->side_event);
       if (st->side_stream) cudaStreamDestroy(st->side_stream);
       if (st->error_alloc) cudaFreeHost(st->error_alloc);
       return "jax_engram (CUDA) on " + dev + ": " + what + " failed: " + cuda_error_string(err2);
@@ -210,10 +209,6 @@ class CudaBackend final : public Backend {
     if ((e = cudaStreamCreateWithPriority(&st->side_stream, cudaStreamNonBlocking, greatest_priority)) != cudaSuccess) {
       st->side_stream = nullptr;
       return fail("cudaStreamCreateWithPriority", e);
-    }
-    if ((e = cudaEventCreateWithFlags(&st->side_event, cudaEventDisableTiming)) != cudaSuccess) {
-      st->side_event = nullptr;
-      return fail("cudaEventCreateWithFlags", e);
     }
     for (int i = 0; i < CudaMemberState::kEpCopyStreams; ++i) {
       if ((e = cudaStreamCreateWithFlags(&st->ep_copy_streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
@@ -258,11 +253,17 @@ class CudaBackend final : public Backend {
       st.ep_joins[i] = nullptr;
       st.ep_copy_streams[i] = nullptr;
     }
+    if (st.enqueuer) st.enqueuer->stop();  // idle since the quiesce; joined before the state its tasks use goes
+    st.enqueuer.reset();
     st.host_fetch.reset();  // pinned staging (the registry already joined the host gather pool)
-    if (st.side_event) cudaEventDestroy(st.side_event);
+    for (cudaEvent_t ev : {st.engram_fork, st.engram_join})
+      if (ev) cudaEventDestroy(ev);
+    for (auto& kv : st.engram_slots)
+      if (kv.second) cudaEventDestroy(kv.second);
+    st.engram_fork = st.engram_join = nullptr;
+    st.engram_slots.clear();
     if (st.side_stream) cudaStreamDestroy(st.side_stream);
     if (st.error_alloc) cudaFreeHost(st.error_alloc);
-    st.side_event = nullptr;
     st.side_stream = nullptr;
     st.error_alloc = nullptr;
     m.error_host = m.error_device = nullptr;
@@ -404,6 +405,13 @@ class CudaBackend final : public Backend {
   Status quiesce(Member& m) override {
     if (!m.backend_state) return {};
     CudaMemberState& st = cuda_state(m);
+    {
+      // Overlapped host-path fetches still being enqueued on the side stream are part of the work already asked for.
+      std::lock_guard<std::mutex> lk(st.enqueuer_mu);
+      if (st.enqueuer && !st.enqueuer->drain(m.timeout_s))
+        return "jax_engram: the Engram enqueue thread of " + m.label + " (rank " + std::to_string(m.rank) +
+               ") did not finish its fetches within the context timeout (" + std::to_string(m.timeout_s) + " s)";
+    }
     CudaDeviceGuard g(st.device);
     if (g.status() != cudaSuccess) return "cudaSetDevice failed: " + cuda_error_string(g.status());
     cudaError_t e = cudaDeviceSynchronize();

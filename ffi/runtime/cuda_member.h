@@ -6,11 +6,13 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "runtime/ordered_worker.h"
 #include "runtime/runtime.h"
 
 struct ncclDevComm;  // nccl_device headers: only the NCCL runtime file and kernels include them
@@ -20,7 +22,17 @@ namespace jax_engram {
 struct CudaMemberState {
   int device = -1;                       // CUDA device ordinal (== Member::ordinal)
   cudaStream_t side_stream = nullptr;    // non-blocking, highest priority (Engram fetches); allocation zero-fill
-  cudaEvent_t side_event = nullptr;      // free for stream-to-stream ordering (timing disabled)
+  // Engram's stream ordering (kernels/cuda/engram_order.h): the fork (XLA's stream -> side stream) and join events,
+  // and one event per overlapped fetch call site (EngramFetchAttrs::slot). Created at first use under engram_mu,
+  // destroyed with the member.
+  std::mutex engram_mu;
+  cudaEvent_t engram_fork = nullptr, engram_join = nullptr;
+  std::map<int64_t, cudaEvent_t> engram_slots;
+  // The thread that enqueues overlapped host-path fetches on the side stream, off XLA's launch thread
+  // (kernels/cuda/engram_host.h): created at the first such fetch (under enqueuer_mu), drained by the backend's
+  // quiesce, joined by destroy_member. Named "je-enqueue".
+  std::mutex enqueuer_mu;
+  std::unique_ptr<OrderedWorker> enqueuer;
   // EP copy-engine dispatch (kernels/cuda/ep_copy_engine.cc): its copy stream (one: pieces on concurrent streams
   // share the link and each lands later, while the receivers wait for whole pieces), the fork (XLA's stream -> copy
   // stream) and join events, and the host's count of the stream sequence's dispatch-type calls on this member

@@ -97,6 +97,7 @@ struct Member {
   std::mutex host_gather_mu;
   std::shared_ptr<HostGatherPool> host_gather;
   std::atomic<bool> host_gather_fail_next{false};  // test hook: the next host gather job fails in its worker
+  std::atomic<bool> host_enqueue_fail_next{false};  // test hook: the next queued host-path fetch fails to enqueue
 
   uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
   Allocation* alloc(int64_t id) {

@@ -196,9 +196,9 @@ def two_pending_fetches_own_slots(ctx):
     b.free()
 
 
-def _pool_threads():
+def _pool_threads(name="je-hostgather"):
     return sum(1 for t in os.listdir("/proc/self/task")
-               if Path(f"/proc/self/task/{t}/comm").read_text().strip() == "je-hostgather")
+               if Path(f"/proc/self/task/{t}/comm").read_text().strip() == name)
 
 
 @case
@@ -216,8 +216,16 @@ def thread_lifecycle(ctx):
     n = [NATIVE.host_gather_threads(c.id, o) for o in local]
     assert all(k == args.threads for k in n), n
     assert _pool_threads() == before + args.threads * len(local), (_pool_threads(), before)
+    # CUDA: an overlapped fetch is enqueued on the side stream by one enqueue thread per member, started by the
+    # first such fetch (the lookup above ran on XLA's stream) and joined by close. The CPU backend has none.
+    enq_before = _pool_threads("je-enqueue")
+    d, _ = fetch_fn(t, "fill", "row", True)(sharded(ids))
+    assert_same(d, want(x, None, ids, 16, "fill", "row")[0], "overlapped fetch")
+    enq = _pool_threads("je-enqueue") - enq_before
+    assert enq == (0 if PLATFORM == "cpu" else len(local)), f"{enq} enqueue threads for {len(local)} members"
     c.close()
     assert _pool_threads() == before, f"{_pool_threads() - before} host gather threads left after close"
+    assert _pool_threads("je-enqueue") == enq_before, "enqueue threads left after close"
 
 
 @case
@@ -248,6 +256,36 @@ def worker_failure(ctx):
             c.check()
     finally:
         c.close()
+
+
+@case
+def enqueue_failure(ctx):
+    # CUDA: the next overlapped host-path fetch fails on the member's enqueue thread (nothing is enqueued); its wait
+    # raises naming the op and the rank, once, and the same call then works. The CPU backend has no enqueue thread:
+    # the hook changes nothing there.
+    N, H = 16, 64
+    t = je.EngramTable(N, H, BF16, ctx=ctx, config=CONFIG)
+    x, _ = make_data(17, N, H, BF16, 0)
+    t.write_global(x)
+    ids = make_ids(18, R * 4, 3, t.total_entries)
+    f = fetch_fn(t, "fill", "row", True)
+    w = want(x, None, ids, N, "fill", "row")[0]
+    assert_same(f(sharded(ids))[0], w, "before the failure")
+    NATIVE._test_fail_next_host_enqueue(ctx.id)
+    try:
+        d, _ = f(sharded(ids))
+        jax.block_until_ready(d)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        assert PLATFORM != "cpu", msg[:2000]
+        assert "engram fetch" in msg and "rank" in msg and "injected failure" in msg, msg[:2000]
+    else:
+        assert PLATFORM == "cpu", "a failed enqueue did not fail the wait"
+        assert_same(d, w, "CPU: the hook has no effect")
+    for _ in range(2):  # usable at once, and the failure is not reported again
+        assert_same(f(sharded(ids))[0], w, "after the failure")
+        ctx.check()
+    t.free()
 
 
 @case

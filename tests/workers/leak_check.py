@@ -115,6 +115,15 @@ def cycle(i: int) -> dict:
         data, _ = t.lookup_global(np.array([[0, R * 8 - 1]], np.int32), mode="checked")
         assert np.array_equal(np.asarray(data, np.float32).reshape(2, 16), np.asarray(x, np.float32)[[0, R * 8 - 1]])
         hostgather_open.append(hostgather_threads())  # the CPU backend's fetch started the member's pool
+        if i % 2:  # an overlapped fetch of the host table: on a GPU, its enqueue thread, fork and slot events
+
+            def prefetch(ids):
+                d, _ = t.wait(t.fetch(ids, overlap=True))
+                return d
+
+            ids = jax.device_put(jnp.tile(jnp.array([[0, 1]], jnp.int32), (R, 1)), NamedSharding(mesh, P(AX)))
+            d = jax.jit(jax.shard_map(prefetch, mesh=mesh, in_specs=P(AX), out_specs=P(AX)))(ids)
+            assert np.array_equal(np.asarray(d, np.float32)[0], np.asarray(x, np.float32)[[0, 1]].ravel()), "prefetch"
 
         if i % 4 > 1:  # the EP part (a compile per context) in half of the cycles
             t.free()

@@ -4,13 +4,18 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "jax_engram/engram_layout.h"
+#include "kernels/cuda/engram_order.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/cuda_member.h"
+#include "runtime/env.h"
 #include "runtime/host_gather.h"
 
 namespace jax_engram {
@@ -42,10 +47,31 @@ struct Staging {
 struct HostFetchState {
   std::mutex mu;
   std::map<cudaStream_t, Staging> streams;
-  ~HostFetchState() {
+  // Overlapped fetches queued on the enqueue thread (under enq_mu): fork events (one per queued fetch, back in
+  // forks_free once the side stream waited for it), each slot's latest ticket, and enqueue failures not reported yet
+  // (by slot).
+  std::mutex enq_mu;
+  std::vector<cudaEvent_t> forks_all, forks_free;
+  std::map<int64_t, uint64_t> slot_ticket;
+  std::map<int64_t, std::string> errors;
+  ~HostFetchState() {  // the enqueue thread was joined before (destroy_member)
     for (auto& kv : streams) kv.second.release();
+    for (cudaEvent_t ev : forks_all) cudaEventDestroy(ev);
   }
 };
+
+HostFetchState& host_fetch_state(CudaMemberState& st) {
+  static std::mutex create_mu;
+  std::lock_guard<std::mutex> lk(create_mu);
+  if (!st.host_fetch) st.host_fetch = std::make_shared<HostFetchState>();
+  return *static_cast<HostFetchState*>(st.host_fetch.get());
+}
+
+// Debug tracing only (never a tuning knob): JAX_ENGRAM_HOST_TRACE=1 prints the enqueue thread's time per fetch.
+bool enqueue_trace() {
+  static const bool on = env_int("JAX_ENGRAM_HOST_TRACE", 0, 0, 1) != 0;
+  return on;
+}
 
 // Grows `cur` (cudaHostAlloc with `flags`) to at least `need` bytes; the caller synchronized the stream.
 template <typename T>
@@ -114,12 +140,7 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   const CudaDriver* drv = cuda_driver(nullptr);
 
   Staging* sg;
-  {
-    static std::mutex create_mu;
-    std::lock_guard<std::mutex> lk(create_mu);
-    if (!st.host_fetch) st.host_fetch = std::make_shared<HostFetchState>();
-  }
-  auto* hs = static_cast<HostFetchState*>(st.host_fetch.get());
+  HostFetchState* hs = &host_fetch_state(st);
   std::lock_guard<std::mutex> lk(hs->mu);
   sg = &hs->streams[stream];
   cudaError_t e = cudaSuccess;
@@ -245,6 +266,109 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     return e;
   }
   return cudaSuccess;
+}
+
+std::string enqueue_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t stream, int64_t slot) {
+  Member& m = *a.member;
+  CudaMemberState& st = *a.state;
+  HostFetchState& hs = host_fetch_state(st);
+  OrderedWorker* worker;
+  {
+    std::lock_guard<std::mutex> lk(st.enqueuer_mu);
+    if (!st.enqueuer) st.enqueuer = std::make_unique<OrderedWorker>("je-enqueue");
+    worker = st.enqueuer.get();
+  }
+  cudaEvent_t fork = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(hs.enq_mu);
+    if (!hs.forks_free.empty()) {
+      fork = hs.forks_free.back();
+      hs.forks_free.pop_back();
+    }
+  }
+  cudaError_t e = cudaSuccess;
+  if (!fork) {
+    if ((e = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming)) != cudaSuccess)
+      return "creating the fetch's fork event failed: " + cuda_error_string(e);
+    std::lock_guard<std::mutex> lk(hs.enq_mu);
+    hs.forks_all.push_back(fork);
+  }
+  auto give_back = [&hs](cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lk(hs.enq_mu);
+    hs.forks_free.push_back(ev);
+  };
+  if ((e = cudaEventRecord(fork, stream)) != cudaSuccess) {
+    give_back(fork);
+    return "recording the fetch's fork event on XLA's stream failed: " + cuda_error_string(e);
+  }
+  const cudaStream_t side = st.side_stream;
+  const EngramHostFetchArgs args = a;
+  // The task runs on the enqueue thread: everything the handler would have enqueued, on the side stream.
+  auto task = [args, &st, &hs, fork, slot, side, give_back]() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    cudaError_t e = cudaSuccess;
+    CudaDeviceGuard g(st.device);
+    if ((e = g.status()) != cudaSuccess) what = "cudaSetDevice on the enqueue thread";
+    if (e == cudaSuccess && (e = cudaStreamWaitEvent(side, fork, 0)) != cudaSuccess)
+      what = "ordering the side stream after XLA's stream (fork event)";
+    give_back(fork);  // the wait took the event's state: it may be recorded again
+    std::string fail;
+    if (e == cudaSuccess && args.member->host_enqueue_fail_next.exchange(false))
+      fail = "injected failure (test hook _test_fail_next_host_enqueue)";
+    if (e == cudaSuccess && fail.empty()) e = launch_engram_host_fetch(args, side, &what);
+    if (e == cudaSuccess && fail.empty() && slot > 0) e = engram_slot_record(st, slot, side, &what);
+    if (e != cudaSuccess) fail = "the host path (" + what + ") failed: " + cuda_error_string(e);
+    if (!fail.empty()) {
+      std::lock_guard<std::mutex> lk(hs.enq_mu);
+      hs.errors.emplace(slot, "rank " + std::to_string(args.member->rank) + ": enqueuing the overlapped fetch (slot " +
+                                  std::to_string(slot) + ") on the side stream: " + fail);
+    }
+    if (enqueue_trace())
+      std::fprintf(stderr, "jax_engram host path: rank %d slot %lld enqueued on the enqueue thread in %.1f us%s\n",
+                   args.member->rank, static_cast<long long>(slot),
+                   std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count(),
+                   fail.empty() ? "" : " (failed)");
+  };
+  std::lock_guard<std::mutex> lk(hs.enq_mu);  // the ticket is in slot_ticket before a wait can look for it
+  const uint64_t ticket = worker->submit(std::move(task));
+  if (!ticket) {
+    hs.forks_free.push_back(fork);
+    return "the enqueue thread of " + m.label + " is stopped (the context is closing)";
+  }
+  hs.slot_ticket[slot] = ticket;
+  return "";
+}
+
+std::string engram_host_enqueued(Member& m, CudaMemberState& st, int64_t slot, bool take_errors) {
+  OrderedWorker* worker;
+  {
+    std::lock_guard<std::mutex> lk(st.enqueuer_mu);
+    worker = st.enqueuer.get();
+  }
+  if (!worker || !st.host_fetch) return "";  // nothing was ever queued
+  HostFetchState& hs = *static_cast<HostFetchState*>(st.host_fetch.get());
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lk(hs.enq_mu);
+    if (slot > 0) {
+      auto it = hs.slot_ticket.find(slot);
+      ticket = it == hs.slot_ticket.end() ? 0 : it->second;
+    } else {
+      ticket = worker->submitted();
+    }
+  }
+  if (ticket && !worker->wait(ticket, m.timeout_s))
+    return "rank " + std::to_string(m.rank) + ": the enqueue thread did not enqueue the overlapped fetch (slot " +
+           std::to_string(slot) + ") on the side stream within the context timeout (" + std::to_string(m.timeout_s) +
+           " s)";
+  if (!take_errors) return "";
+  std::lock_guard<std::mutex> lk(hs.enq_mu);
+  auto it = slot > 0 ? hs.errors.find(slot) : hs.errors.begin();
+  if (it == hs.errors.end()) return "";
+  std::string msg = std::move(it->second);
+  hs.errors.erase(it);
+  return msg;
 }
 
 }  // namespace jax_engram

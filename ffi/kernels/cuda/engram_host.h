@@ -53,4 +53,17 @@ struct EngramHostFetchArgs {
 // Enqueues the host path on `stream`. On failure returns the CUDA error and names the step in *what.
 cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t stream, std::string* what);
 
+// The overlapped form, off XLA's launch thread. The 2 * chunks + 3 stream calls above cost tens of microseconds of
+// the launching thread, and a step enqueues its prefetches before its first layer, while the GPU waits for work.
+// So the handler only records a fork event on `stream` (XLA's) and queues the rest on the member's enqueue thread
+// (CudaMemberState::enqueuer): the side stream's wait for the fork, launch_engram_host_fetch on the side stream,
+// and the slot's event (slot > 0; engram_order.h). Returns "" or why the fetch could not be queued.
+std::string enqueue_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t stream, int64_t slot);
+
+// For the wait (and anything else that orders after the side stream): blocks, bounded by the member's timeout, until the
+// enqueue thread has enqueued the queued fetches of `slot` (0: every queued fetch), so that the slot's event or the
+// side stream covers them. Returns "" or the failure to report: a timeout, or (take_errors) the first enqueue
+// failure of those fetches not reported yet (reported once; the member stays usable).
+std::string engram_host_enqueued(Member& m, CudaMemberState& st, int64_t slot, bool take_errors);
+
 }  // namespace jax_engram

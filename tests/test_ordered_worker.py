@@ -1,0 +1,61 @@
+"""The ordered worker thread (ffi/runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU,
+through the native module's test binding: tasks run one at a time in submission order, a wait is bounded and
+counts tickets, a task that raises neither ends the thread nor stops later tasks, stop runs what is queued and joins
+the thread (the named thread is gone), and a stopped worker refuses new tasks."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from jax_engram import _ffi
+
+NATIVE = _ffi.native("cpu")
+
+
+def _threads(name: str) -> int:
+    return sum(1 for t in os.listdir("/proc/self/task")
+               if Path(f"/proc/self/task/{t}/comm").read_text().strip() == name)
+
+
+def test_order_bounded_wait_failure_and_stop():
+    name = "je-test-order"
+    before = _threads(name)
+    w = NATIVE._OrderedWorker(name)
+    assert _threads(name) == before + 1
+    ran: list[tuple[int, str]] = []
+    gate = threading.Event()
+
+    def task(i, block=False):
+        def run():
+            if block:
+                gate.wait(30)
+            ran.append((i, threading.current_thread().name))
+        return run
+
+    t1 = w.submit(task(1, block=True))
+    t2 = w.submit(task(2))
+    assert (t1, t2) == (1, 2) and w.submitted() == 2
+    assert not w.wait(t2, 0.05), "a wait returned while its task was still blocked"
+    assert w.completed() == 0 and ran == []
+    gate.set()
+    assert w.wait(t2, 30) and [i for i, _ in ran] == [1, 2] and w.completed() == 2
+
+    def boom():
+        raise RuntimeError("a failing task")
+
+    t3 = w.submit(boom)
+    t4 = w.submit(task(4))
+    assert w.wait(t4, 30) and w.completed() == 4 and [i for i, _ in ran] == [1, 2, 4], (t3, ran)
+    assert all(n != threading.main_thread().name for _, n in ran)  # the tasks ran on the worker, not the caller
+
+    for i in range(5, 25):
+        w.submit(task(i))
+    t0 = time.monotonic()
+    w.stop()  # runs the 20 queued tasks, then joins
+    assert [i for i, _ in ran] == [1, 2, 4] + list(range(5, 25)) and w.completed() == w.submitted() == 24
+    assert _threads(name) == before, "the worker thread outlived stop()"
+    assert w.submit(task(99)) == 0 and w.drain(1.0) and [i for i, _ in ran][-1] == 24
+    assert time.monotonic() - t0 < 30
+    w.stop()  # idempotent
