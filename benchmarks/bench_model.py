@@ -91,8 +91,9 @@ ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (
                 "median of the per-round ratios, so drift of the machine over the run cancels")
 ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of the [cpu] variants "
                 "(0: the library's default)")
-ap.add_argument("--profile", default=None, help="also record 3 steps of every variant with jax.profiler into "
-                "this folder (one trace per variant, mode and T; view in Perfetto or TensorBoard)")
+ap.add_argument("--profile", default=None, help="also record 6 steps of every variant with jax.profiler into "
+                "this folder, 3 timed to their end and 3 back to back (one trace per variant, mode and T; view in "
+                "Perfetto or TensorBoard, or summarize with tools/profile_gaps.py)")
 args = ap.parse_args()
 if args.quick:
     args.iters, args.warmup = min(args.iters, 5), 1
@@ -405,6 +406,7 @@ def run_size(table_gib: float, params, link_gbps):
                             with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
                                 for _ in range(3):
                                     jax.block_until_ready(fn(params, x, ids, rows, hbm))
+                                jax.block_until_ready([fn(params, x, ids, rows, hbm) for _ in range(3)])
                     except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
                         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             for row in mode_rows:
