@@ -21,7 +21,8 @@ weights and the Engram projections; the rows are constants):
   none                 no Engram layer at all
   resident             the Engram math on rows already in HBM (the projections only): what the goal compares with
   lookup[gpu|cpu]      ``table.lookup`` at the layer, ordered after the layer's input
-  prefetch[gpu|cpu]    ``table.fetch(ids, overlap=True)`` of every Engram layer at step start, the wait at the layer,
+  prefetch[gpu|cpu]    ``table.fetch(ids, overlap=True)`` of every Engram layer at step start, in layer order (each
+                       ``after=`` the previous one's status), the wait at the layer,
                        ordered after the layer's input (``wait(after=h)``)
   take_hbm             MaxText-style: the table as a plain HBM array and ``jnp.take`` (the same rows when every
                        table fits under ``--take-max-gib``, else smaller tables of that total: the row says so)
@@ -289,8 +290,11 @@ def build(variant: str, mode: str, tables, hbm, take_rows):
     def forward(params, x, ids, rows, hbm_tabs):
         pend = {}
         if kind == "prefetch":
-            for l in ELAYERS:
-                pend[l] = tables[l].fetch(ids[str(l)], overlap=True, config=cfg)
+            prev = None
+            for l in ELAYERS:  # in layer order (the fetches share one side stream): each after the one before
+                pend[l] = tables[l].fetch(ids[str(l)], overlap=True, config=cfg,
+                                          after=None if prev is None else prev.status)
+                prev = pend[l]
             x = je.start_before(x, *pend.values())  # the fetches start before layer 0 (XLA may sink them otherwise)
         for i in range(L):
             if i in ELAYERS and kind != "none":
