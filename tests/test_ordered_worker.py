@@ -1,7 +1,9 @@
-"""The ordered worker thread (ffi/runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU,
-through the native module's test binding: tasks run one at a time in submission order, a wait is bounded and
-counts tickets, a task that raises neither ends the thread nor stops later tasks, stop runs what is queued and joins
-the thread (the named thread is gone), and a stopped worker refuses new tasks."""
+"""The ordered worker thread (ffi/runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU and
+starts every host-path job when its stream gets there, through the native module's test binding: tasks run one at a
+time in submission order, a wait is bounded and counts tickets, a task that raises neither ends the thread nor stops
+later tasks, stop runs what is queued and joins the thread (the named thread is gone), a stopped worker refuses new
+tasks; a watch fires once, when its condition holds or at its deadline, tasks run while it is left, drain waits for
+it and stop too."""
 from __future__ import annotations
 
 import os
@@ -59,3 +61,26 @@ def test_order_bounded_wait_failure_and_stop():
     assert w.submit(task(99)) == 0 and w.drain(1.0) and [i for i, _ in ran][-1] == 24
     assert time.monotonic() - t0 < 30
     w.stop()  # idempotent
+
+
+def test_watches_fire_once_when_ready_or_at_their_deadline():
+    name = "je-test-watch"
+    before = _threads(name)
+    w = NATIVE._OrderedWorker(name)
+    flag = threading.Event()
+    fired: list[tuple[str, bool]] = []
+    w.submit_watch(flag.is_set, lambda timed_out: fired.append(("flag", timed_out)), 30.0)
+    w.submit_watch(lambda: False, lambda timed_out: fired.append(("never", timed_out)), 0.3)
+    ran = []
+    t = w.submit(lambda: ran.append("task"))  # tasks still run while watches are left
+    assert w.wait(t, 30) and ran == ["task"]
+    assert not w.drain(0.05) and w.watches() >= 1, "drain returned with a watch left"
+    time.sleep(0.5)
+    assert fired == [("never", True)] and w.watches() == 1, fired  # the deadline passed; the flag is not set yet
+    flag.set()
+    assert w.drain(30) and w.watches() == 0
+    assert fired == [("never", True), ("flag", False)], fired
+    # stop() waits for a watch left behind (bounded by its deadline), then joins
+    w.submit_watch(lambda: False, lambda timed_out: fired.append(("at_stop", timed_out)), 0.2)
+    w.stop()
+    assert fired[-1] == ("at_stop", True) and _threads(name) == before

@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <stdexcept>
 
 #include "handlers/common.h"
@@ -220,6 +221,18 @@ void bind_runtime(nb::module_& m, const char* platform) {
       .def(nb::init<const std::string&>(), nb::arg("name"))
       .def("submit", [](OrderedWorker& w, std::function<void()> f) { return w.submit(std::move(f)); }, nb::arg("task"))
       .def("wait", &OrderedWorker::wait, nb::arg("ticket"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
+      .def("submit_watch",
+           [](OrderedWorker& w, std::function<bool()> ready, std::function<void(bool)> fire, double timeout_s) {
+             OrderedWorker* pw = &w;
+             return w.submit([pw, ready, fire, timeout_s] {
+               pw->watch(ready, fire, OrderedWorker::Clock::now() +
+                                          std::chrono::duration_cast<OrderedWorker::Clock::duration>(
+                                              std::chrono::duration<double>(timeout_s)));
+             });
+           },
+           nb::arg("ready"), nb::arg("fire"), nb::arg("timeout_s"),
+           "Queues a task that leaves a watch: ready() is polled between tasks; fire(timed_out) runs once.")
+      .def("watches", &OrderedWorker::watches)
       .def("drain", &OrderedWorker::drain, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
       .def("submitted", &OrderedWorker::submitted)
       .def("completed", &OrderedWorker::completed)

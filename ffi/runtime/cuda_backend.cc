@@ -405,13 +405,16 @@ class CudaBackend final : public Backend {
   Status quiesce(Member& m) override {
     if (!m.backend_state) return {};
     CudaMemberState& st = cuda_state(m);
+    // Host-path fetches still being enqueued, or waiting for their stream to start them, are part of the work
+    // already asked for (the lock only reads the pointer: the worker's own tasks take it; it lives until destroy).
+    OrderedWorker* enq = nullptr;
     {
-      // Overlapped host-path fetches still being enqueued on the side stream are part of the work already asked for.
       std::lock_guard<std::mutex> lk(st.enqueuer_mu);
-      if (st.enqueuer && !st.enqueuer->drain(m.timeout_s))
-        return "jax_engram: the Engram enqueue thread of " + m.label + " (rank " + std::to_string(m.rank) +
-               ") did not finish its fetches within the context timeout (" + std::to_string(m.timeout_s) + " s)";
+      enq = st.enqueuer.get();
     }
+    if (enq && !enq->drain(m.timeout_s))
+      return "jax_engram: the Engram enqueue thread of " + m.label + " (rank " + std::to_string(m.rank) +
+             ") did not finish its fetches within the context timeout (" + std::to_string(m.timeout_s) + " s)";
     CudaDeviceGuard g(st.device);
     if (g.status() != cudaSuccess) return "cudaSetDevice failed: " + cuda_error_string(g.status());
     cudaError_t e = cudaDeviceSynchronize();

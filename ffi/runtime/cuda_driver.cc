@@ -61,6 +61,7 @@ Loaded& loaded() {
     std::string optional_err;
     if (!resolve("cuStreamWriteValue64", &t.cuStreamWriteValue64, &optional_err)) t.cuStreamWriteValue64 = nullptr;
     if (!resolve("cuStreamWaitValue32", &t.cuStreamWaitValue32, &optional_err)) t.cuStreamWaitValue32 = nullptr;
+    if (!resolve("cuStreamWriteValue32", &t.cuStreamWriteValue32, &optional_err)) t.cuStreamWriteValue32 = nullptr;
     return x;
   }();
   return *l;

@@ -27,8 +27,10 @@ struct CudaDriver {
   PFN_cuMemImportFromShareableHandle_v10020 cuMemImportFromShareableHandle = nullptr;
   // Optional (nullptr when the driver lacks it; its users fall back): the EP copy-engine dispatch's flags.
   PFN_cuStreamWriteValue64_v11070 cuStreamWriteValue64 = nullptr;
-  // Optional: the Engram host path's per-chunk gate (a copy waits in stream order for a flag the CPU sets).
+  // Optional: the Engram host path's per-chunk gate (a copy waits in stream order for a flag the CPU sets) and its
+  // start flag (the stream tells the CPU that the ids are in pinned memory).
   PFN_cuStreamWaitValue32_v11070 cuStreamWaitValue32 = nullptr;
+  PFN_cuStreamWriteValue32_v11070 cuStreamWriteValue32 = nullptr;
 };
 
 // The table, resolved once (thread-safe). nullptr and *err set if the CUDA runtime or driver is unusable

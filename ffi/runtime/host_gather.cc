@@ -81,8 +81,10 @@ void HostGatherJob::run_item(int64_t item) {
   }
   const int64_t c = item / chunk_items;
   // The last chunk's flag is the finisher's (after the status word).
-  if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) == 1 && flags && c + 1 < num_chunks())
-    publish(flags + c, seq);
+  if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (submit_ns_ && c == 0) chunk0_ns_.store(now_ns(), std::memory_order_relaxed);
+    if (flags && c + 1 < num_chunks()) publish(flags + c, seq);
+  }
   if (done_items_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_items()) finish();
 }
 
@@ -107,17 +109,30 @@ void HostGatherJob::finish() {
   if (submit_ns_) {
     const int64_t end = now_ns(), start = start_ns_.load(std::memory_order_relaxed);
     const int64_t bytes = n * g.row_bytes;
+    const int joined = std::min(joins_.load(std::memory_order_acquire), kTraceJoins);
+    std::vector<int64_t> js(join_ns_, join_ns_ + joined);
+    std::sort(js.begin(), js.end());
+    auto at = [&](int64_t t) { return t ? (t - submit_ns_) / 1e3 : -1.0; };
+    const int64_t c0 = chunk0_ns_.load(std::memory_order_relaxed);
     std::fprintf(stderr, "jax_engram host gather: %lld rows x %lld B = %.2f MiB, %lld items, %lld chunks; submit->first "
-                 "item %.1f us, first item->done %.1f us (%.1f GB/s)\n", static_cast<long long>(n),
+                 "item %.1f us, first item->done %.1f us (%.1f GB/s); %d workers joined at +%.1f / +%.1f / +%.1f us "
+                 "(first / median / last), chunk 0 done +%.1f us, job done +%.1f us\n", static_cast<long long>(n),
                  static_cast<long long>(g.row_bytes), bytes / 1048576.0, static_cast<long long>(num_items()),
                  static_cast<long long>(num_chunks()), start ? (start - submit_ns_) / 1e3 : -1.0,
-                 start ? (end - start) / 1e3 : -1.0, start && end > start ? bytes / double(end - start) : 0.0);
+                 start ? (end - start) / 1e3 : -1.0, start && end > start ? bytes / double(end - start) : 0.0,
+                 joined, joined ? at(js.front()) : -1.0, joined ? at(js[joined / 2]) : -1.0,
+                 joined ? at(js.back()) : -1.0, at(c0), at(end));
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
     finished_ = true;
   }
   cv_.notify_all();
+}
+
+void HostGatherJob::trace_join() {
+  const int i = joins_.fetch_add(1, std::memory_order_acq_rel);
+  if (i < kTraceJoins) join_ns_[i] = now_ns();
 }
 
 bool HostGatherJob::wait(double timeout_s) {
@@ -191,8 +206,12 @@ void HostGatherPool::worker() {
     std::shared_ptr<HostGatherJob> job = queue_.front();
     lk.unlock();
     // Items are claimed without the pool's lock: one atomic increment each.
-    for (int64_t item; (item = job->next_.fetch_add(1, std::memory_order_relaxed)) < job->num_items();)
+    bool first = true;
+    for (int64_t item; (item = job->next_.fetch_add(1, std::memory_order_relaxed)) < job->num_items();) {
+      if (first && job->submit_ns_) job->trace_join();
+      first = false;
       job->run_item(item);
+    }
     lk.lock();
     if (!queue_.empty() && queue_.front() == job) queue_.pop_front();  // every item is taken: the next job may start
   }

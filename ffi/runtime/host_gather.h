@@ -60,8 +60,14 @@ struct HostGatherJob {
   void set_failed(const std::string& what);
   std::atomic<int64_t> next_{0}, done_items_{0}, bad_{INT64_MAX};
   // Debug tracing (JAX_ENGRAM_HOST_TRACE=1): steady-clock ns of submit and of the first item's start.
+  // Also each worker's first item (join) and the first chunk's completion.
   int64_t submit_ns_ = 0;
   std::atomic<int64_t> start_ns_{0};
+  static constexpr int kTraceJoins = 64;
+  std::atomic<int> joins_{0};
+  int64_t join_ns_[kTraceJoins] = {};
+  std::atomic<int64_t> chunk0_ns_{0};
+  void trace_join();
   std::unique_ptr<std::atomic<int64_t>[]> chunk_left_;
   std::atomic<bool> failed_{false};
   mutable std::mutex mu_;

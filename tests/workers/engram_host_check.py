@@ -205,6 +205,7 @@ def _pool_threads(name="je-hostgather"):
 def thread_lifecycle(ctx):
     c = new_ctx()  # a fresh context: its pool starts at its first fetch and is joined by close
     before = _pool_threads()
+    enq_before = _pool_threads("je-enqueue")
     t = je.EngramTable(16, 64, BF16, ctx=c, config=CONFIG)
     x, _ = make_data(13, 16, 64, BF16, 0)
     t.write_global(x)
@@ -216,9 +217,8 @@ def thread_lifecycle(ctx):
     n = [NATIVE.host_gather_threads(c.id, o) for o in local]
     assert all(k == args.threads for k in n), n
     assert _pool_threads() == before + args.threads * len(local), (_pool_threads(), before)
-    # CUDA: an overlapped fetch is enqueued on the side stream by one enqueue thread per member, started by the
-    # first such fetch (the lookup above ran on XLA's stream) and joined by close. The CPU backend has none.
-    enq_before = _pool_threads("je-enqueue")
+    # CUDA: one enqueue thread per member, started by its first host-path fetch (it starts every job when the stream
+    # gets there, and enqueues overlapped fetches), joined by close. The CPU backend has none.
     d, _ = fetch_fn(t, "fill", "row", True)(sharded(ids))
     assert_same(d, want(x, None, ids, 16, "fill", "row")[0], "overlapped fetch")
     enq = _pool_threads("je-enqueue") - enq_before

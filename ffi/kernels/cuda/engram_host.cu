@@ -21,21 +21,27 @@
 namespace jax_engram {
 namespace {
 
-// Pinned staging of one stream. Grown (never shrunk) under HostFetchState::mu by the handler thread.
+// Pinned staging of one stream. Grown (never shrunk) under HostFetchState::mu by the thread that enqueues a fetch on
+// that stream. A grow never synchronizes (a stream may be waiting on a flag that only the enqueue thread's watch can
+// let through) and never frees (cudaFreeHost synchronizes the device): the outgrown buffers, which earlier copies
+// and workers may still use, are kept in `retired` until the member is destroyed. Capacities grow by at least half,
+// so a warm-up retires a few buffers.
 struct Staging {
   uint8_t* rows = nullptr;
   size_t rows_cap = 0;
   int32_t* ids = nullptr;
   size_t ids_cap = 0;
-  uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk (the last one: job done); the last word: status
-  uint32_t* flags_dev = nullptr;
-  size_t flags_cap = 0;           // words, the status word included (last)
+  uint32_t* flags = nullptr;      // mapped: [0, chunks) per chunk (the last one: job done); the second-to-last word:
+  uint32_t* flags_dev = nullptr;  // the start flag (the ids are in pinned memory); the last word: status
+  size_t flags_cap = 0;           // words, the start and status words included (last)
   uint32_t seq = 0;
+  std::vector<void*> retired;
 
   void release() {
-    if (rows) cudaFreeHost(rows);
-    if (ids) cudaFreeHost(ids);
-    if (flags) cudaFreeHost(flags);
+    for (void* p : {static_cast<void*>(rows), static_cast<void*>(ids), static_cast<void*>(flags)})
+      if (p) cudaFreeHost(p);
+    for (void* p : retired) cudaFreeHost(p);
+    retired.clear();
     rows = nullptr;
     ids = nullptr;
     flags = nullptr;
@@ -73,18 +79,18 @@ bool enqueue_trace() {
   return on;
 }
 
-// Grows `cur` (cudaHostAlloc with `flags`) to at least `need` bytes; the caller synchronized the stream.
+// Grows `cur` (cudaHostAlloc with `flags`) to at least `need` bytes (and by at least half); the outgrown buffer goes
+// to `retired` (see Staging).
 template <typename T>
-cudaError_t grow(T** cur, size_t* cap, size_t need, unsigned flags) {
+cudaError_t grow(T** cur, size_t* cap, size_t need, unsigned flags, std::vector<void*>* retired) {
   if (*cap >= need) return cudaSuccess;
-  if (*cur) cudaFreeHost(*cur);
-  *cur = nullptr;
-  *cap = 0;
+  const size_t bytes = std::max<size_t>({need, *cap + *cap / 2, 64});
   void* p = nullptr;
-  cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(need, 64), flags);
+  cudaError_t e = cudaHostAlloc(&p, bytes, flags);
   if (e != cudaSuccess) return e;
+  if (*cur) retired->push_back(*cur);
   *cur = static_cast<T*>(p);
-  *cap = std::max<size_t>(need, 64);
+  *cap = bytes;
   return cudaSuccess;
 }
 
@@ -103,21 +109,25 @@ __global__ void sf_gather_kernel(const int32_t* ids, int64_t n, int64_t E, int64
   }
 }
 
+// The synchronous fallback (no stream memory operations): a cudaLaunchHostFunc callback that gathers every item with
+// the pool and waits for the job (never a CUDA call here).
 struct Post {
   HostGatherPool* pool;
   std::shared_ptr<HostGatherJob> job;
-  bool sync;  // no stream wait-value: gather here, synchronously
   double timeout_s;
 };
 
-// cudaLaunchHostFunc callback: queue the job (never a CUDA call here), then gather items of the first chunk on this
-// thread while the workers wake: the stream waits for that chunk's flag next anyway, so returning later costs
-// nothing. The synchronous fallback helps with every item and waits for the job.
-void CUDART_CB post_job(void* arg) {
+void CUDART_CB post_job_sync(void* arg) {
   std::unique_ptr<Post> p(static_cast<Post*>(arg));
   p->pool->submit(p->job);
-  HostGatherPool::help(*p->job, p->sync ? p->job->num_items() : p->job->chunk_items);
-  if (p->sync && !p->job->wait(p->timeout_s)) p->job->abandon("timed out");
+  HostGatherPool::help(*p->job, p->job->num_items());
+  if (!p->job->wait(p->timeout_s)) p->job->abandon("timed out");
+}
+
+OrderedWorker* enqueuer(CudaMemberState& st) {
+  std::lock_guard<std::mutex> lk(st.enqueuer_mu);
+  if (!st.enqueuer) st.enqueuer = std::make_unique<OrderedWorker>("je-enqueue");
+  return st.enqueuer.get();
 }
 
 }  // namespace
@@ -135,38 +145,31 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   const int64_t item_rows = plan.item_rows, chunk_items = plan.chunk_items;
   const int64_t items = n == 0 ? 0 : (n + item_rows - 1) / item_rows;
   const int64_t chunks = items == 0 ? 0 : (items + chunk_items - 1) / chunk_items;
-  const size_t flag_words = static_cast<size_t>(chunks + 1);  // chunks, status
-  const bool gate = st.stream_wait_value;
+  const size_t flag_words = static_cast<size_t>(chunks + 2);  // chunks, start, status
+  // Gated: the copies wait for the chunks' flags, and the job starts when the enqueue thread sees the start flag.
   const CudaDriver* drv = cuda_driver(nullptr);
+  const bool gate = st.stream_wait_value && drv && drv->cuStreamWriteValue32;
 
   Staging* sg;
   HostFetchState* hs = &host_fetch_state(st);
   std::lock_guard<std::mutex> lk(hs->mu);
   sg = &hs->streams[stream];
   cudaError_t e = cudaSuccess;
-  if (sg->rows_cap < static_cast<size_t>(n * rb) || sg->ids_cap < static_cast<size_t>(n) * 4 ||
-      sg->flags_cap < flag_words * 4) {
-    // Warm-up only: the buffers may still be read by this stream's earlier copies.
-    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) {
-      *what = "synchronizing the stream before growing the host-path staging";
-      return e;
+  e = grow(&sg->rows, &sg->rows_cap, static_cast<size_t>(n * rb), cudaHostAllocPortable, &sg->retired);
+  if (e == cudaSuccess)
+    e = grow(&sg->ids, &sg->ids_cap, static_cast<size_t>(n) * 4, cudaHostAllocPortable, &sg->retired);
+  if (e == cudaSuccess && sg->flags_cap < flag_words * 4) {
+    e = grow(&sg->flags, &sg->flags_cap, flag_words * 4, cudaHostAllocMapped | cudaHostAllocPortable, &sg->retired);
+    if (e == cudaSuccess) {
+      std::fill(sg->flags, sg->flags + sg->flags_cap / 4, 0u);
+      void* dp = nullptr;
+      e = cudaHostGetDevicePointer(&dp, sg->flags, 0);
+      sg->flags_dev = static_cast<uint32_t*>(dp);
     }
-    e = grow(&sg->rows, &sg->rows_cap, static_cast<size_t>(n * rb), cudaHostAllocPortable);
-    if (e == cudaSuccess) e = grow(&sg->ids, &sg->ids_cap, static_cast<size_t>(n) * 4, cudaHostAllocPortable);
-    if (e == cudaSuccess && sg->flags_cap < flag_words * 4) {
-      e = grow(&sg->flags, &sg->flags_cap, flag_words * 4, cudaHostAllocMapped | cudaHostAllocPortable);
-      if (e == cudaSuccess) {
-        std::fill(sg->flags, sg->flags + sg->flags_cap / 4, 0u);
-        void* dp = nullptr;
-        e = cudaHostGetDevicePointer(&dp, sg->flags, 0);
-        sg->flags_dev = static_cast<uint32_t*>(dp);
-      }
-    }
-    if (e != cudaSuccess) {
-      sg->release();
-      *what = "allocating the host-path staging (pinned, " + std::to_string(n * rb) + " bytes)";
-      return e;
-    }
+  }
+  if (e != cudaSuccess) {
+    *what = "allocating the host-path staging (pinned, " + std::to_string(n * rb) + " bytes)";
+    return e;
   }
   if (n == 0) {  // nothing to gather: the status of an empty fetch (checked: kNoBadPosition = 0x7f7f7f7f)
     if ((e = cudaMemsetAsync(a.status, a.mode == engram::kModeChecked ? 0x7f : 0, 4, stream)) != cudaSuccess)
@@ -179,6 +182,8 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
   if (++sg->seq == 0) sg->seq = 1;  // flags start at 0: never wait for 0
   const uint32_t seq = sg->seq;
   uint32_t* status_word = sg->flags + (sg->flags_cap / 4 - 1);
+  uint32_t* start_word = sg->flags + (sg->flags_cap / 4 - 2);
+  uint32_t* start_dev = sg->flags_dev + (sg->flags_cap / 4 - 2);
   int32_t* status_host = reinterpret_cast<int32_t*>(status_word);
 
   // 1. ids -> pinned
@@ -216,11 +221,43 @@ cudaError_t launch_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t 
     if (j.failed()) record_error(rec, kErrHostGather, kOpEngramFetch, rank, -1, 0, 0, 0, j.num_items());
   };
   HostGatherPool* pool = HostGatherPool::of(m, threads, st.host_numa_id);
-  auto* post = new Post{pool, job, !gate, m.timeout_s};
-  if ((e = cudaLaunchHostFunc(stream, post_job, post)) != cudaSuccess) {
-    delete post;
-    *what = "enqueuing the host gather (cudaLaunchHostFunc)";
-    return e;
+  if (gate) {
+    // The stream writes the start flag once the ids are in pinned memory; the member's enqueue thread, which spins
+    // on it, submits the job and gathers items of the first chunk itself while the workers wake (the stream waits
+    // for that chunk next anyway). A host function would start the job too, but its thread is woken by the driver,
+    // which takes up to hundreds of microseconds in a VM: a small fetch's whole gather.
+    CUresult r = drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(start_dev),
+                                           seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r != CUDA_SUCCESS) {
+      *what = "cuStreamWriteValue32 of the host gather's start flag: " + cu_error_string(r);
+      return cudaErrorUnknown;
+    }
+    OrderedWorker* w = enqueuer(st);
+    const auto deadline = OrderedWorker::Clock::now() + std::chrono::duration_cast<OrderedWorker::Clock::duration>(
+                                                            std::chrono::duration<double>(m.timeout_s));
+    const double timeout_s = m.timeout_s;
+    auto arm = [w, pool, job, start_word, seq, deadline, timeout_s] {
+      w->watch([start_word, seq] { return __atomic_load_n(start_word, __ATOMIC_ACQUIRE) == seq; },
+               [pool, job, timeout_s](bool timed_out) {
+                 if (timed_out)  // the job still runs (skipping its items) and sets every flag: nothing hangs
+                   job->abandon("the stream did not reach the fetch within the context timeout (" +
+                                std::to_string(timeout_s) + " s)");
+                 pool->submit(job);
+                 if (!timed_out) HostGatherPool::help(*job, job->chunk_items);
+               },
+               deadline);
+    };
+    if (!w->submit(arm)) {
+      *what = "arming the host gather's start (the enqueue thread is stopped: the context is closing)";
+      return cudaErrorNotReady;
+    }
+  } else {
+    auto* post = new Post{pool, job, m.timeout_s};
+    if ((e = cudaLaunchHostFunc(stream, post_job_sync, post)) != cudaSuccess) {
+      delete post;
+      *what = "enqueuing the host gather (cudaLaunchHostFunc)";
+      return e;
+    }
   }
   // the scale factors: a small kernel (reads the ids on the device; independent of the rows), after the host function
   // so that it runs while the CPU gathers instead of delaying the gather's start
@@ -272,12 +309,7 @@ std::string enqueue_engram_host_fetch(const EngramHostFetchArgs& a, cudaStream_t
   Member& m = *a.member;
   CudaMemberState& st = *a.state;
   HostFetchState& hs = host_fetch_state(st);
-  OrderedWorker* worker;
-  {
-    std::lock_guard<std::mutex> lk(st.enqueuer_mu);
-    if (!st.enqueuer) st.enqueuer = std::make_unique<OrderedWorker>("je-enqueue");
-    worker = st.enqueuer.get();
-  }
+  OrderedWorker* worker = enqueuer(st);
   cudaEvent_t fork = nullptr;
   {
     std::lock_guard<std::mutex> lk(hs.enq_mu);

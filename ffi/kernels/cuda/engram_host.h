@@ -5,21 +5,24 @@
 //
 // On `stream`, per fetch:
 //   1. copy of the ids into pinned memory (device -> host);
-//   2. a host function that queues the job on the pool (no CUDA call) and gathers items of the first chunk itself
-//      while the workers wake (the stream would wait for that chunk next anyway);
+//   2. cuStreamWriteValue32 of the start flag; the member's enqueue thread (CudaMemberState::enqueuer), which spins
+//      on it (an OrderedWorker watch), queues the job on the pool (no CUDA call) and gathers items of the first
+//      chunk itself while the workers wake (the stream would wait for that chunk next anyway). A host function
+//      would start the job too, but the driver wakes its thread late (up to hundreds of microseconds in a VM);
 //   3. the scale factors (a few bytes per row): a small GPU kernel reads them from the replicated sf table, wherever
 //      it lives, while the CPU gathers the rows; only it uses SMs, the rows never do;
 //   4. per chunk (engram::host_gather_plan): cuStreamWaitValue32(flag[c] == seq), then the chunk's host -> device
 //      copy; the last chunk's flag is set once every item and the status word are done;
 //   5. the status word (after the last chunk's copy, so no wait of its own).
-// That is 2 * chunks + 3 stream calls (+ 2 with scale factors) on the launching thread, which runs inside the
-// model's step: a small gather has few chunks (engram_layout.h).
-// Without cuStreamWaitValue32 the host function runs the whole gather synchronously and one copy follows.
-// Staging (rows, ids, flags, status) is pinned memory per (member, stream), grown on demand: a grow
-// synchronizes that stream once (warm-up only) and frees the old buffers. One job at a time per stream is safe by
-// stream order: the next fetch's host function runs only after this fetch's copies out of the staging. Workers set
-// every flag even when they fail (the failure goes to the member's error record: the next op / ctx.check() raises),
-// so the stream never waits forever.
+// That is 2 * chunks + 3 stream calls (+ 2 with scale factors); an overlapped fetch makes them on the enqueue thread
+// (enqueue_engram_host_fetch below), a fetch on XLA's stream on the launching thread.
+// Without stream memory operations a host function runs the whole gather synchronously and one copy follows.
+// Staging (rows, ids, flags, status) is pinned memory per (member, stream), grown on demand without a sync (the
+// outgrown buffers are kept until the member is destroyed). One job at a time per stream is safe by stream order:
+// the next fetch's start flag is written only after this fetch's copies out of the staging. Workers set every flag
+// even when they fail (the failure goes to the member's error record: the next op / ctx.check() raises), and a
+// start flag the stream never writes is given up at the context timeout (the job is failed, its flags set), so
+// the stream never waits forever.
 #pragma once
 #include <cuda_runtime_api.h>
 
