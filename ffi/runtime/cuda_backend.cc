@@ -229,7 +229,7 @@ class CudaBackend final : public Backend {
       st->stream_mem_ops = drv && drv->cuStreamWriteValue64 &&
                            cu_device_attribute(st->device, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, 0) != 0;
       // 32-bit stream memory operations (v2 API) are supported on every device of the drivers that export the
-      // entry point; without it the host path gathers synchronously in its host function (engram_host.h).
+      // entry point; without them the host path gathers synchronously in a host function (engram_host.h).
       st->stream_wait_value = drv && drv->cuStreamWaitValue32;
     }
     m.error_host = static_cast<ErrorRecord*>(st->error_alloc);
