@@ -6,7 +6,9 @@ pending fetches with their own slots, thread lifecycle, a worker failure, the co
 measurement helpers.
 
 GPU (marked gpu(1)): the same worker with host tables on the CUDA host path (host_gather="cpu"), one process and
-three ranks sharing one GPU.
+three ranks sharing one GPU; there the thread-lifecycle case also counts the members' enqueue threads (started by
+the first host-path fetch, joined by close) and an injected enqueue failure fails the wait once, naming the op and
+the rank, with the context usable after it.
 """
 from __future__ import annotations
 

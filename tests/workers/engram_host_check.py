@@ -1,8 +1,9 @@
 """The Engram host gather pool (CPU backend fetches; the CUDA host-table path with host_gather="cpu"): bit-exact
 against ``jax_engram.reference`` for every mode, padding, FP8 + scale factors in both layouts and rows whose size
 is not a multiple of 16 bytes, at 1 and several worker threads; two pending fetches whose waits each order after
-their own fetch (distinct slots); the pool's threads (started at the first fetch, joined by ``ctx.close()``); a
-worker failure (the op raises naming the op and the rank); the config rule; the host measurement helpers.
+their own fetch (distinct slots); the pool's threads and, on CUDA, the enqueue threads (started at the first fetch,
+joined by ``ctx.close()``); a worker failure (the op raises naming the op and the rank); on CUDA an enqueue failure
+(the wait raises once, naming the op and the rank); the config rule; the host measurement helpers.
 
 Prints ``PASS name`` / ``FAIL name: why`` per case, a ``SUMMARY`` line and ``RESULT {...}``; exits 1 on a failure.
 
