@@ -109,6 +109,15 @@ def assert_same_message(result: dict, case: str, needles: list[str]) -> None:
         assert word in got["flat"], (case, got["flat"])
 
 
+@functools.cache
+def harness():
+    """``tests/workers/_harness.py`` as a module (numpy only), for tests that use the workers' helpers."""
+    spec = importlib.util.spec_from_file_location("_harness", WORKERS_DIR / "_harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # ---------------------------------------------------------------------------------------
 # Multi-process jobs (jax_engram.launch)
 # ---------------------------------------------------------------------------------------

@@ -6,19 +6,14 @@ tasks; a watch fires once, when its condition holds or at its deadline, tasks ru
 it and stop too."""
 from __future__ import annotations
 
-import os
 import threading
 import time
-from pathlib import Path
 
+from conftest import harness
 from jax_engram import _ffi
 
 NATIVE = _ffi.native("cpu")
-
-
-def _threads(name: str) -> int:
-    return sum(1 for t in os.listdir("/proc/self/task")
-               if Path(f"/proc/self/task/{t}/comm").read_text().strip() == name)
+_threads = harness().threads_named
 
 
 def test_order_bounded_wait_failure_and_stop():

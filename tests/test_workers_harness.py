@@ -1,14 +1,10 @@
 """The workers' shared harness (tests/workers/_harness.py): the lines a check prints, the SUMMARY line other tools
 grep, and the bit comparisons (numpy only, no JAX backend)."""
-import importlib.util
-
 import numpy as np
 
-from conftest import WORKERS_DIR
+from conftest import harness
 
-_spec = importlib.util.spec_from_file_location("_harness", WORKERS_DIR / "_harness.py")
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = harness()
 
 
 def _lines(capsys):

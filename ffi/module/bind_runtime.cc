@@ -45,6 +45,17 @@ Export export_from_dict(const nb::dict& d) {
   return e;
 }
 
+// Sets a test hook flag (a Member field) on every local member of context `ctx`.
+void arm_test_hook(int64_t ctx, std::atomic<bool> Member::* flag) {
+  int n = 0;
+  for (Member* mem : registry().members())
+    if (mem->ctx_id == ctx) {
+      (mem->*flag).store(true);
+      ++n;
+    }
+  if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
+}
+
 }  // namespace
 
 void bind_runtime(nb::module_& m, const char* platform) {
@@ -205,15 +216,8 @@ void bind_runtime(nb::module_& m, const char* platform) {
   m.def("host_id", []() { return host_id(); });
   // Engram host gathers (runtime/host_gather.h): the test hook, the pool's size, and the host-side measurements
   // the benchmarks report beside the fetch rates (any machine, also CPU-only).
-  m.def("_test_fail_next_host_gather", [](int64_t ctx) {
-    int n = 0;
-    for (Member* mem : registry().members())
-      if (mem->ctx_id == ctx) {
-        mem->host_gather_fail_next.store(true);
-        ++n;
-      }
-    if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
-  }, nb::arg("ctx_id"), "Test hook: the next host gather job of every local member of the context fails inside "
+  m.def("_test_fail_next_host_gather", [](int64_t ctx) { arm_test_hook(ctx, &Member::host_gather_fail_next); },
+        nb::arg("ctx_id"), "Test hook: the next host gather job of every local member of the context fails inside "
                         "its worker.");
   // The ordered worker thread (runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU, exposed
   // for its own test on any machine. Tasks are Python callables (run holding the GIL); waits release it.
@@ -237,15 +241,8 @@ void bind_runtime(nb::module_& m, const char* platform) {
       .def("submitted", &OrderedWorker::submitted)
       .def("completed", &OrderedWorker::completed)
       .def("stop", &OrderedWorker::stop, nb::call_guard<nb::gil_scoped_release>());
-  m.def("_test_fail_next_host_enqueue", [](int64_t ctx) {
-    int n = 0;
-    for (Member* mem : registry().members())
-      if (mem->ctx_id == ctx) {
-        mem->host_enqueue_fail_next.store(true);
-        ++n;
-      }
-    if (!n) throw std::runtime_error("no member of context " + std::to_string(ctx) + " in this process");
-  }, nb::arg("ctx_id"), "Test hook (CUDA): the next overlapped host-path fetch of every local member of the context "
+  m.def("_test_fail_next_host_enqueue", [](int64_t ctx) { arm_test_hook(ctx, &Member::host_enqueue_fail_next); },
+        nb::arg("ctx_id"), "Test hook (CUDA): the next overlapped host-path fetch of every local member of the context "
                         "fails on the enqueue thread instead of being enqueued.");
   m.def("host_gather_threads", [](int64_t ctx, int32_t ordinal) {
     Member* mem = registry().find(ctx, ordinal);

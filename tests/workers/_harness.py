@@ -6,6 +6,7 @@ Call :func:`start` before anything starts a JAX backend; the rest is imported la
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -20,6 +21,22 @@ F16 = np.dtype(np.float16)
 
 
 # ------------------------------------------------------------------------------------------ process setup
+def thread_names() -> dict[str, str]:
+    """This process's OS threads: tid -> name (``/proc/self/task/<tid>/comm``)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def threads_named(name: str) -> int:
+    """How many of this process's OS threads are named ``name`` (the native module names its own)."""
+    return sum(1 for n in thread_names().values() if n == name)
+
+
 def import_launch():
     """``jax_engram.launch``; from the source checkout when jax_engram is not installed."""
     try:

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_engram as je  # noqa: E402
 from jax_engram import _ffi, reference  # noqa: E402
-from _harness import assert_same, make_ids, shard  # noqa: E402
+from _harness import assert_same, make_ids, shard, threads_named  # noqa: E402
 
 AX = "ep"
 BF16, F32, FP8 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -197,16 +197,11 @@ def two_pending_fetches_own_slots(ctx):
     b.free()
 
 
-def _pool_threads(name="je-hostgather"):
-    return sum(1 for t in os.listdir("/proc/self/task")
-               if Path(f"/proc/self/task/{t}/comm").read_text().strip() == name)
-
-
 @case
 def thread_lifecycle(ctx):
     c = new_ctx()  # a fresh context: its pool starts at its first fetch and is joined by close
-    before = _pool_threads()
-    enq_before = _pool_threads("je-enqueue")
+    before = threads_named("je-hostgather")
+    enq_before = threads_named("je-enqueue")
     t = je.EngramTable(16, 64, BF16, ctx=c, config=CONFIG)
     x, _ = make_data(13, 16, 64, BF16, 0)
     t.write_global(x)
@@ -217,16 +212,16 @@ def thread_lifecycle(ctx):
     assert_same(d, want(x, None, ids, 16, "fill", "row")[0], "lookup")
     n = [NATIVE.host_gather_threads(c.id, o) for o in local]
     assert all(k == args.threads for k in n), n
-    assert _pool_threads() == before + args.threads * len(local), (_pool_threads(), before)
+    assert threads_named("je-hostgather") == before + args.threads * len(local), (threads_named("je-hostgather"), before)
     # CUDA: one enqueue thread per member, started by its first host-path fetch (it starts every job when the stream
     # gets there, and enqueues overlapped fetches), joined by close. The CPU backend has none.
     d, _ = fetch_fn(t, "fill", "row", True)(sharded(ids))
     assert_same(d, want(x, None, ids, 16, "fill", "row")[0], "overlapped fetch")
-    enq = _pool_threads("je-enqueue") - enq_before
+    enq = threads_named("je-enqueue") - enq_before
     assert enq == (0 if PLATFORM == "cpu" else len(local)), f"{enq} enqueue threads for {len(local)} members"
     c.close()
-    assert _pool_threads() == before, f"{_pool_threads() - before} host gather threads left after close"
-    assert _pool_threads("je-enqueue") == enq_before, "enqueue threads left after close"
+    assert threads_named("je-hostgather") == before, f"{threads_named("je-hostgather") - before} host gather threads left after close"
+    assert threads_named("je-enqueue") == enq_before, "enqueue threads left after close"
 
 
 @case

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from _harness import start
+from _harness import start, thread_names, threads_named
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--platform", default="cpu", choices=["cpu", "cuda"])
@@ -56,20 +56,9 @@ def _cuda_free_bytes():
     return -1
 
 
-def thread_names() -> dict[str, str]:
-    """This process's OS threads: tid -> name (``/proc/self/task/<tid>/comm``)."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue
-    return out
-
-
 def hostgather_threads() -> int:
     """Worker threads of the Engram host gather pools (named by the native module)."""
-    return sum(1 for n in thread_names().values() if n == "je-hostgather")
+    return threads_named("je-hostgather")
 
 
 def snapshot() -> dict:
