@@ -457,11 +457,12 @@ def close_quietly(ctx, shutdown: Callable[[], None]) -> None:
 
 
 def shown_args(args) -> dict:
-    """The command-line arguments as a results file records them: ``--out`` by its file name (no machine paths in
-    committed results)."""
+    """The command-line arguments as a results file records them: ``--out`` and ``--profile`` by their last path
+    component (no machine paths in committed results)."""
     d = dict(vars(args))
-    if d.get("out"):
-        d["out"] = os.path.basename(d["out"])
+    for k in ("out", "profile"):
+        if isinstance(d.get(k), str) and d[k]:
+            d[k] = os.path.basename(os.path.normpath(d[k]))
     return d
 
 

@@ -303,6 +303,17 @@ def test_time_per_call_removes_the_fixed_overhead(monkeypatch):
         C.time_per_call(make(0.0, 1e-6), (), 5, 5)
 
 
+def test_shown_args_keep_no_machine_paths():
+    """A results file records --out and --profile by their last component, everything else as given."""
+    import argparse
+    sys.path.insert(0, BENCH)
+    import _common as C
+
+    ns = argparse.Namespace(out="/tmp/x/model.json", profile="/tmp/mprof/", T="512", quick=False)
+    assert C.shown_args(ns) == dict(out="model.json", profile="mprof", T="512", quick=False)
+    assert C.shown_args(argparse.Namespace(out=None, profile=None)) == dict(out=None, profile=None)
+
+
 def test_bench_ep_cpu_run(tmp_path):
     """bench_ep.py end to end on 2 CPU devices at tiny sizes: every row checked bit-exact, the baselines per dtype
     on the same bytes (FP8 rows packed with their scales), the dedup baselines checked, no all-reduce in any timed
