@@ -106,6 +106,9 @@ def _args(argv=None):
     ap.add_argument("--one-rank", action="store_true",
                     help="the one-rank section instead (one device; see one_rank_main): our one-rank path, the native "
                          "kernels forced, and the plain-JAX permute, per shape, beside the HBM floor")
+    ap.add_argument("--profile", default="",
+                    help="--one-rank: also record 8 single calls of every variant and shape with jax.profiler into "
+                         "DIR/<tokens>x<hidden>_<variant> (summarize: tools/profile_gaps.py DIR/* --kernels 8)")
     return ap.parse_args(argv)
 
 
@@ -113,6 +116,7 @@ ARGS = _args()
 # The one-rank section: (tokens, hidden, top-k, experts) per shape; --smoke: tiny ones.
 ONE_RANK_SHAPES = ((4096, 2048, 4, 8), (128, 7168, 8, 256), (1024, 4096, 8, 64), (4096, 7168, 8, 256))
 ONE_RANK_SMOKE = ((32, 256, 4, 16),)
+PROFILE_CALLS = 8  # --profile: calls recorded per variant and shape
 if ARGS.smoke:
     ARGS.tokens, ARGS.hidden, ARGS.topk, ARGS.experts, ARGS.scales = "64,16", 256, 4, 16, 2
     ARGS.loop, ARGS.iters, ARGS.warmup, ARGS.baseline_iters = 3, 2, 1, 1
@@ -560,7 +564,7 @@ def one_rank_main():
     shapes = ONE_RANK_SMOKE if ARGS.smoke else ONE_RANK_SHAPES
     n1, n2 = (ARGS.loop, 3 * ARGS.loop) if ARGS.smoke else (20, 60)
     iters, warmup = (ARGS.iters, ARGS.warmup) if ARGS.smoke else (5, 1)
-    results = dict(env=C.env_info(), args=dict(vars(ARGS), out=os.path.basename(ARGS.out) if ARGS.out else None),
+    results = dict(env=C.env_info(), args=C.shown_args(ARGS),
                    one_rank=[])  # no machine paths in the JSON
     log(f"bench_ep --one-rank: 1 {platform} device ({results['env'].get('device_kind')}), jax {jax.__version__}")
 
@@ -610,6 +614,13 @@ def one_rank_main():
                     return lax.fori_loop(0, n, lambda i, v: f(v, tk, w), x)
                 return one(loop)
             t = C.time_per_call(make, inputs, n1, n2, warmup=warmup, iters=iters)
+            if ARGS.profile:  # PROFILE_CALLS single calls: which kernels the op is made of
+                single = one(f)
+                jax.block_until_ready(single(*inputs))
+                tag = f"{N}x{H}_" + name.replace(" ", "_").replace("-", "_")
+                with jax.profiler.trace(os.path.join(ARGS.profile, tag), create_perfetto_trace=True):
+                    for _ in range(PROFILE_CALLS):
+                        jax.block_until_ready(single(*inputs))
             moved = 2 * row_b * (N + (entries if expand else tokens_with_expert))
             floor_us = moved / (bw * 1e9) * 1e6
             timed[name] = t["median_us"]

@@ -424,15 +424,24 @@ def test_bench_engram_sizes_and_procs_smoke(tmp_path):
 
 def test_bench_ep_one_rank_cpu_run(tmp_path):
     """bench_ep.py --one-rank --smoke on one CPU device: every variant timed (ours both layouts, the native kernels
-    forced, the plain-JAX permute), the HBM floor and the ratios recorded, ours == native bit for bit."""
+    forced, the plain-JAX permute), the HBM floor and the ratios recorded, ours == native bit for bit; --profile
+    records a trace per variant that tools/profile_gaps.py --kernels reads."""
     out = tmp_path / "ep1.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    prof = tmp_path / "prof"
     cmd = [sys.executable, os.path.join(BENCH, "bench_ep.py"), "--one-rank", "--smoke", "--loop", "2", "--iters", "1",
-           "--out", str(out)]
+           "--out", str(out), "--profile", str(prof)]
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert res["args"]["out"] == "ep1.json" and res["args"]["profile"] == "prof"  # no machine paths
+    traced = sorted(d.name for d in prof.iterdir() if list(d.rglob("perfetto_trace.json.gz")))
+    assert traced == ["32x256_native_expand", "32x256_native_non_expand", "32x256_ours_expand",
+                      "32x256_ours_non_expand", "32x256_plain_JAX_permute"], traced
+    k = subprocess.run([sys.executable, os.path.join(REPO, "tools", "profile_gaps.py"), str(prof / traced[0]),
+                        "--kernels", "8"], capture_output=True, text=True, timeout=60)
+    assert k.returncode == 0 and "per call (8 calls)" in k.stdout, k.stdout + k.stderr
     variants = {r["variant"] for r in res["one_rank"]}
     assert variants == {"ours expand", "ours non-expand", "native expand", "native non-expand", "plain-JAX permute"}
     assert res["hbm_rw_gbps"] > 0 and all(r["floor_us"] > 0 and r["vs_permute"] > 0 for r in res["one_rank"])

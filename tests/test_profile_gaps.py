@@ -44,3 +44,18 @@ def test_profile_gaps_summary(tmp_path):
     assert "2 events" in side, side
     assert any("+    300.0 us     31.0 us  MemcpyH2D" in l for l in lines), p.stdout
     assert "host work" not in p.stdout and "/host:CPU" not in p.stdout
+
+
+def test_profile_kernels_per_call(tmp_path):
+    """--kernels CALLS: GPU time and count per activity name over every GPU stream, divided by CALLS; host events
+    are not counted."""
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "profile_gaps.py"), str(_trace(tmp_path)),
+                        "--kernels", "2"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "GPU busy 185.5 us per call, 3.5 activities per call (2 calls)" in lines[0], lines[0]  # (310 + 61) / 2
+    assert lines[1].split()[0] == "50.0" and lines[3].split()[0] == "30.5", lines  # the largest first
+    rows = {l.split()[-1]: l.split()[:4] for l in lines[1:]}  # name: time, "us", calls, "x"
+    assert rows["MemcpyH2D"] == ["30.5", "us", "1.0", "x"], rows
+    assert rows["layer1"] == ["50.0", "us", "0.5", "x"] and rows["overlapping"] == ["10.0", "us", "0.5", "x"], rows
+    assert "host work" not in p.stdout

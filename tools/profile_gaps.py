@@ -1,8 +1,10 @@
 """Where a GPU step's time goes, from a ``jax.profiler`` trace (``create_perfetto_trace=True``): per GPU stream, the
 span, the time busy and the idle gaps, the largest gaps with the activities on both sides, and the other streams'
 activities. Used to compare ``bench_model.py --profile`` variants (e.g. Engram rows resident vs prefetched).
+``--kernels CALLS``: instead, the GPU time per activity name over every GPU stream, divided by the CALLS calls
+the trace recorded (which kernels an op is made of, e.g. ``bench_ep.py --one-rank --profile``).
 
-    python tools/profile_gaps.py PROFILE_DIR [PROFILE_DIR ...] [--top 12] [--min-gap-us 3]
+    python tools/profile_gaps.py PROFILE_DIR [PROFILE_DIR ...] [--top 12] [--min-gap-us 3] [--kernels CALLS]
 """
 from __future__ import annotations
 
@@ -72,14 +74,33 @@ def summarize(d: Path, top: int, min_gap: float) -> None:
                 print(f"      +{ts - t_first:9.1f} us  {du:7.1f} us  {name[:70]}")
 
 
+def kernels(d: Path, top: int, calls: int) -> None:
+    ss = streams(load(d))
+    per: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for v in ss.values():
+        for _, du, name in v["events"]:
+            per[name][0] += 1
+            per[name][1] += du
+    total = sum(t for _, t in per.values())
+    print(f"== {d}: GPU busy {total / calls:.1f} us per call, {sum(c for c, _ in per.values()) / calls:.1f} "
+          f"activities per call ({calls} calls)")
+    for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"   {t / calls:9.1f} us  {c / calls:5.1f} x  {name[:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", type=Path)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--min-gap-us", type=float, default=3.0)
+    ap.add_argument("--kernels", type=int, default=0, metavar="CALLS",
+                    help="GPU time per activity name, per call of the CALLS the trace recorded")
     a = ap.parse_args()
     for d in a.dirs:
-        summarize(d, a.top, a.min_gap_us)
+        if a.kernels > 0:
+            kernels(d, a.top, a.kernels)
+        else:
+            summarize(d, a.top, a.min_gap_us)
 
 
 if __name__ == "__main__":
