@@ -107,6 +107,15 @@ def fetch_fn(t, mode, layout, overlap):
 CASES = []
 
 
+def filled_table(c, seed):
+    """A 16 x 64 bf16 host table of context ``c`` written with seeded rows, seeded ids into it and its overlapped
+    fill / row fetch: (table, rows, ids, fetch)."""
+    t = je.EngramTable(16, 64, BF16, ctx=c, config=CONFIG)
+    x, _ = make_data(seed, 16, 64, BF16, 0)
+    t.write_global(x)
+    return t, x, make_ids(seed + 1, R * 4, 3, t.total_entries), fetch_fn(t, "fill", "row", True)
+
+
 def case(fn):
     CASES.append((fn.__name__, fn))
     return fn
@@ -230,12 +239,8 @@ def worker_failure(ctx):
     # still completes: every flag is set), so ctx.check() / the next op raises; a context of its own here.
     c = new_ctx()
     try:
-        N, H = 16, 64
-        t = je.EngramTable(N, H, BF16, ctx=c, config=CONFIG)
-        x, _ = make_data(15, N, H, BF16, 0)
-        t.write_global(x)
-        ids = make_ids(16, R * 4, 3, t.total_entries)
-        f = fetch_fn(t, "fill", "row", True)
+        t, x, ids, f = filled_table(c, 15)
+        N = t.num_entries
         NATIVE._test_fail_next_host_gather(c.id)
         try:
             jax.block_until_ready(f(sharded(ids)))
@@ -259,13 +264,8 @@ def enqueue_failure(ctx):
     # CUDA: the next overlapped host-path fetch fails on the member's enqueue thread (nothing is enqueued); its wait
     # raises naming the op and the rank, once, and the same call then works. The CPU backend has no enqueue thread:
     # the hook changes nothing there.
-    N, H = 16, 64
-    t = je.EngramTable(N, H, BF16, ctx=ctx, config=CONFIG)
-    x, _ = make_data(17, N, H, BF16, 0)
-    t.write_global(x)
-    ids = make_ids(18, R * 4, 3, t.total_entries)
-    f = fetch_fn(t, "fill", "row", True)
-    w = want(x, None, ids, N, "fill", "row")[0]
+    t, x, ids, f = filled_table(ctx, 17)
+    w = want(x, None, ids, t.num_entries, "fill", "row")[0]
     assert_same(f(sharded(ids))[0], w, "before the failure")
     NATIVE._test_fail_next_host_enqueue(ctx.id)
     try:
