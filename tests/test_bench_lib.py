@@ -309,7 +309,7 @@ def test_shown_args_keep_no_machine_paths():
     sys.path.insert(0, BENCH)
     import _common as C
 
-    ns = argparse.Namespace(out="/tmp/x/model.json", profile="/tmp/mprof/", T="512", quick=False)
+    ns = argparse.Namespace(out="runs/x/model.json", profile="runs/mprof/", T="512", quick=False)
     assert C.shown_args(ns) == dict(out="model.json", profile="mprof", T="512", quick=False)
     assert C.shown_args(argparse.Namespace(out=None, profile=None)) == dict(out=None, profile=None)
 
