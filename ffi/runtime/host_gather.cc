@@ -314,7 +314,14 @@ HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t 
 #endif
   std::memset(tab, 1, static_cast<size_t>(table_bytes));
   std::memset(out, 0, static_cast<size_t>(num_rows * row_bytes));
-  std::vector<int32_t> ids(num_rows);
+  // Every gather reads fresh rows, as a model's steps do: the gathers cycle through `sets` id sets whose rows
+  // together span kFreshBytes, far more than any host's last-level cache, so a small gather is not served from the
+  // cache that its own previous repeat filled.
+  constexpr int64_t kFreshBytes = int64_t{1} << 30;
+  constexpr int64_t kMaxIds = int64_t{16} << 20;  // 64 MiB of ids at most (tiny rows)
+  const int64_t sets = std::max<int64_t>(
+      1, std::min((kFreshBytes + num_rows * row_bytes - 1) / (num_rows * row_bytes), kMaxIds / num_rows));
+  std::vector<int32_t> ids(static_cast<size_t>(sets * num_rows));
   uint64_t x = 0x9e3779b97f4a7c15ull;
   for (auto& id : ids) {  // xorshift: uniform random rows
     x ^= x << 13;
@@ -336,7 +343,7 @@ HostGatherRate host_gather_rate(int64_t table_bytes, int64_t row_bytes, int64_t 
   int64_t gathers = 0;
   for (int rep = 0; rep < std::max(repeats, 1) || elapsed() < min_seconds; ++rep, ++gathers) {
     auto job = std::make_shared<HostGatherJob>();
-    job->g.ids = ids.data();
+    job->g.ids = ids.data() + (gathers % sets) * num_rows;
     job->g.T = num_rows;
     job->g.E = 1;
     job->g.num_entries = std::min<int64_t>(rows, INT32_MAX);

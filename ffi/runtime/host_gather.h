@@ -113,6 +113,8 @@ class HostGatherPool {
 
 // Measurement (the modules' host_gather_rate): `num_rows` random rows of a `table_bytes` table in plain host memory
 // (2 MiB-aligned, huge pages advised) gathered by a pool of `threads` workers into a buffer; best of `repeats`.
+// Each gather takes the next of several random id sets, whose rows together span 1 GiB: no repeat finds its rows
+// in the host's caches.
 // For several processes gathering at once: the timed window starts at `start_at_s` (wall clock, seconds since the
 // epoch; 0 = as soon as the table is filled) and gathers repeat until it lasted `min_seconds` (and `repeats` ran);
 // mean_gbps is the window's bytes over its length, [window_start_s, window_end_s] its wall-clock span.
