@@ -66,7 +66,7 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 
     first ``warmup`` calls (at least one, which compiles) are discarded. ``inner`` is the number of
     repetitions ``fn`` performs internally (e.g. a ``lax.fori_loop``); every sample is divided by it.
 
-    ``arg_sets``: optional list of argument tuples (see ``rotate``); call ``i`` then uses
+    ``arg_sets``: optional list of argument tuples (see ``rotate``); call ``i`` (warm-up calls counted) then uses
     ``arg_sets[i % len(arg_sets)]`` instead of ``args``, so repeated calls do not run out of cache.
 
     Returns ``dict(median_us, p10_us, p90_us, min_us, mean_us, samples, iters, warmup, inner)``, all
@@ -81,10 +81,11 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 
     else:
         sets = [args]
     inner = max(int(inner), 1)
-    for i in range(max(int(warmup), 1)):
+    w = max(int(warmup), 1)
+    for i in range(w):
         jax.block_until_ready(fn(*sets[i % len(sets)]))
     samples = []
-    for i in range(int(iters)):
+    for i in range(w, w + int(iters)):  # the count goes on from the warm-up: no timed call repeats the last set
         a = sets[i % len(sets)]
         t0 = time.perf_counter()
         out = fn(*a)
@@ -94,20 +95,33 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 
     return _summarize(samples, iters=int(iters), warmup=max(int(warmup), 1), inner=inner)
 
 
-def time_back_to_back(fn: Callable, *args, steps: int = 10, warmup: int = 2, iters: int = 5) -> dict:
+def time_back_to_back(fn: Callable, *args, steps: int = 10, warmup: int = 2, iters: int = 5,
+                      arg_sets: Sequence[tuple] | None = None) -> dict:
     """Per-call time of ``fn(*args)`` dispatched ``steps`` times back to back, as a training or serving loop
     runs: the host enqueues call i+1 while the device runs call i, and only the last is waited for. Host-side
     costs (dispatch, the custom calls' enqueueing) then overlap the device's work instead of adding to each call,
-    as they do in ``time_fn``. Returns ``time_fn``'s dict (per call)."""
+    as they do in ``time_fn``. ``arg_sets``: as in ``time_fn`` (call i of the whole run uses set i mod k).
+    Returns ``time_fn``'s dict (per call)."""
+    if arg_sets is not None:
+        sets = [_as_tuple(a) for a in arg_sets]
+        if not sets:
+            raise ValueError("arg_sets is empty")
+        if args:
+            raise ValueError("pass either positional args or arg_sets, not both")
+    else:
+        sets = [args]
     steps = max(int(steps), 1)
+    calls = 0
     for _ in range(max(int(warmup), 1)):
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*sets[calls % len(sets)]))
+        calls += 1
     samples = []
     for _ in range(int(iters)):
         t0 = time.perf_counter()
         out = None
         for _ in range(steps):
-            out = fn(*args)
+            out = fn(*sets[calls % len(sets)])
+            calls += 1
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) * 1e6 / steps)
         del out

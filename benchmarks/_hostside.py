@@ -3,7 +3,9 @@
 * ``memory_bandwidth(nbytes, threads)``: ``_engram_cpu.host_memory_bandwidth`` -> read / memcpy / non-temporal
   write GB/s of host memory (what bounds a CPU gather into pinned staging followed by a copy to the GPU);
 * ``gather_rate(table_bytes, row_bytes, num_rows, threads, repeats)``: ``_engram_cpu.host_gather_rate`` -> GB/s of
-  random rows gathered by CPU threads from a host table of ``table_bytes`` (no GPU involved);
+  random rows gathered by CPU threads from a host table of ``table_bytes`` (no GPU involved; every repeat gathers
+  other rows, so none is served from the host's caches);
+* ``llc_bytes()``: the host's last-level cache (sysfs), which fresh-row benchmarks must exceed;
 * ``gather_in_processes(nprocs, ...)``: that gather in ``nprocs`` processes at once (one per GPU of a node share
   its host memory) over one common timed window, per-process and total GB/s.
 
@@ -61,6 +63,37 @@ def gather_rate(table_bytes: int, row_bytes: int, num_rows: int, threads: int, r
     return dict(_call("host_gather_rate", int(table_bytes), int(row_bytes), int(num_rows), int(threads),
                       int(repeats), float(start_at_s), float(min_seconds)), table_bytes=int(table_bytes),
                 row_bytes=int(row_bytes), num_rows=int(num_rows), threads=int(threads), repeats=int(repeats))
+
+
+def llc_bytes(root: str = "/sys/devices/system/cpu") -> int | None:
+    """Bytes of this host's last-level CPU caches (every distinct instance of the highest cache level in sysfs,
+    summed), or None where sysfs does not say. A benchmark that gathers random host rows cycles through enough id
+    sets to exceed this, so that a repeat does not find its rows in the cache its previous run filled."""
+    import glob
+
+    seen: dict[tuple[int, str], int] = {}
+    for d in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
+        try:
+            with open(os.path.join(d, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(d, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(d, "shared_cpu_list")) as f:
+                shared = f.read().strip()
+            with open(os.path.join(d, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+        try:
+            seen[(level, shared)] = int(size.rstrip("KMGkmg")) * unit
+        except ValueError:
+            continue
+    if not seen:
+        return None
+    top = max(level for level, _ in seen)
+    return sum(b for (level, _), b in seen.items() if level == top)
 
 
 def default_threads(nprocs: int = 1) -> int:

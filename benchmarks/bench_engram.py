@@ -96,7 +96,8 @@ ap.add_argument("--fetch-T", type=int, default=0,
 ap.add_argument("--sizes", action="store_true",
                 help="host-table size sweep (one rank): a fixed fetch from host tables of --size-gib per rank, per host "
                      "path, with the same run's ceilings (link, host memory bandwidth, CPU-only gather) and host-memory "
-                     "baselines")
+                     "baselines; the lookups cycle through id sets whose rows are twice the host's last-level cache "
+                     "(at least 256 MiB), so no lookup finds its rows in the CPU caches")
 ap.add_argument("--size-gib", default="0.125,1,4,16,48", help="--sizes: host table GiB per rank, a comma list")
 ap.add_argument("--size-fetch-mib", type=float, default=24.0, help="--sizes: MiB of 256-B rows per fetch")
 ap.add_argument("--host-paths", default=None,
@@ -980,7 +981,12 @@ def run_sizes():
         table.write_global(table_arr)
         jax.block_until_ready(table._token)
         fill_s = time.perf_counter() - t0
-        sets = [make_ids(T, E, R * N, 4000 + s_) for s_ in range(2)]
+        # enough id sets that one cycle's rows are twice the host's last-level cache (at least 256 MiB): no lookup
+        # finds its rows in a cache an earlier one filled
+        nsets = C.rotations_for_cache(nbytes, cache_bytes=max(HS.llc_bytes() or 0, 128 << 20), factor=2.0,
+                                      max_sets=2 if args.tiny else 32)
+        sets = [make_ids(T, E, R * N, 4000 + s_) for s_ in range(nsets)]
+        common["id_sets"] = nsets
         ok = verify(table, sets[0], table_arr) if tbytes <= 4 << 30 else None
         say(f"\n# host table {tbytes / 2**30:.3f} GiB per rank ({N} rows), filled in {fill_s:.1f} s; CPU gather alone "
             + (f"{cg['gather_gbps']:.1f} GB/s" if cg.get("gather_gbps") else str(cg.get("skipped") or cg.get("error"))))
@@ -994,7 +1000,8 @@ def run_sizes():
             try:
                 fn, host_tab = _host_take_fn(table_arr)
                 jfn = jax.jit(fn)
-                t = C.time_fn(jfn, host_tab, sets[0], warmup=1, iters=max(2, min(args.iters, 5)))
+                t = C.time_fn(jfn, arg_sets=[(host_tab, i_) for i_ in sets], warmup=1,
+                              iters=max(2, min(args.iters, 5)))
                 us = t["median_us"]
                 rows.append(dict(common, impl="jnp.take on pinned_host (compute_on)", us=us, gbps=C.gbps(nbytes, us),
                                  pct_link=(100 * C.gbps(nbytes, us) / link) if link else None))

@@ -31,6 +31,10 @@ weights and the Engram projections; the rows are constants):
 CPU threads gather into pinned staging and the GPU copies it. Where ``EngramConfig`` has no ``host_gather`` field,
 the "gpu" variants run the default config and the "cpu" variants are skipped with a note.
 
+The timed steps cycle through ``--id-sets`` sets of ids (with their resident rows), as a model's steps see new
+tokens: by default enough sets that one cycle's rows are twice the host's last-level cache (at least 256 MiB), so
+no step finds its host rows in a CPU cache that an earlier step filled.
+
 Also measured: each path's fetch alone (the lookups of every Engram layer, nothing else) in GB/s of rows (scale
 packs included), and on a GPU the same-run pinned host -> device copy (the link). Reported: a table of variant x
 (T, forward/train) with ms per step and overhead % against ``resident`` and against ``none``; the JSON
@@ -90,6 +94,9 @@ ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (T, mode) this many times, the "
                 "variants interleaved (A B C, A B C, ...): ms is the median of the rounds, and each overhead the "
                 "median of the per-round ratios, so drift of the machine over the run cancels")
+ap.add_argument("--id-sets", type=int, default=0, help="different id sets (and their resident rows) the timed steps "
+                "cycle through, as a model's steps see new tokens (0: enough that one cycle's rows are twice the "
+                "host's last-level cache, at least 256 MiB of rows, at most 64 sets)")
 ap.add_argument("--host-threads", type=int, default=0, help="EngramConfig.host_threads of the [cpu] variants "
                 "(0: the library's default)")
 ap.add_argument("--profile", default=None, help="also record 6 steps of every variant with jax.profiler into "
@@ -102,6 +109,7 @@ if args.smoke:
     args.layers, args.hidden, args.T, args.engram_layers, args.E = 3, 64, "8", "1,2", 4
     args.table_rows = args.table_rows or 2048
     args.iters, args.warmup = 2, 1
+    args.id_sets = args.id_sets or 2
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 cfg_launch = initialize()
@@ -117,6 +125,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import _ceilings as CEIL  # noqa: E402
 import _common as C  # noqa: E402
+import _hostside as HS  # noqa: E402
 import jax_engram as je  # noqa: E402
 from jax_engram.bench import report  # noqa: E402
 
@@ -351,6 +360,15 @@ def fetch_alone_fn(kind: str, path: str, tables, take_rows):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P()), out_specs=P(AX)))
 
 
+def id_sets_for(step_bytes: int) -> int:
+    """How many id sets the steps cycle through (--id-sets): one cycle's rows are at least twice the host's
+    last-level cache and at least 256 MiB, so that no step finds its host rows in a cache an earlier step filled."""
+    if args.id_sets:
+        return args.id_sets
+    return C.rotations_for_cache(step_bytes, cache_bytes=max(HS.llc_bytes() or 0, 128 << 20), factor=2.0,
+                                 max_sets=64)
+
+
 def _ms(t):
     return t["median_us"] / 1e3
 
@@ -367,17 +385,21 @@ def run_size(table_gib: float, params, link_gbps):
     for T in [int(t) for t in args.T.split(",") if t]:
         x = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.float32).astype(jnp.bfloat16),
                     out_shardings=NamedSharding(mesh, P(AX, None)))(jax.random.key(T))
-        ids = {str(l): jax.jit(lambda k: jax.random.randint(k, (R * T, E), 0, R * tinfo["rows_per_rank"], jnp.int32),
-                               out_shardings=NamedSharding(mesh, P(AX, None)))(jax.random.key(100 + l))
-               for l in ELAYERS}
-        rows = {str(l): tables[l].lookup_global(ids[str(l)]) for l in ELAYERS}  # the resident rows: the same rows
-        rows = {k: (d, s) for k, (d, s) in rows.items()}
         nbytes = len(ELAYERS) * T * E * FMT["row_bytes"]
+        nsets = id_sets_for(nbytes)
+        gen = jax.jit(lambda k: jax.random.randint(k, (R * T, E), 0, R * tinfo["rows_per_rank"], jnp.int32),
+                      out_shardings=NamedSharding(mesh, P(AX, None)))
+        id_sets = []  # (ids, resident rows) per set: the resident variant reads the same rows from HBM
+        for s_ in range(nsets):
+            ids_s = {str(l): gen(jax.random.key(100 + 1000 * s_ + l)) for l in ELAYERS}
+            id_sets.append((ids_s, {str(l): tuple(tables[l].lookup_global(ids_s[str(l)])) for l in ELAYERS}))
+        say(f"T={T}: the steps cycle through {nsets} id sets ({nsets * nbytes / 2**20:.0f} MiB of rows per cycle)")
         base = {}
         for mode in modes:
             mode_rows, fns = [], {}
             for v in variants:
-                row = dict(variant=v, T=T, mode=mode, table_gib=tinfo["table_gib"], row_dtype=args.row_dtype)
+                row = dict(variant=v, T=T, mode=mode, table_gib=tinfo["table_gib"], row_dtype=args.row_dtype,
+                           id_sets=nsets)
                 fn = build(v, mode, tables, hbm, take_rows)
                 if fn is None:
                     row["skipped"] = "host_gather='cpu' is not available in this build (EngramConfig.host_gather)"
@@ -395,22 +417,22 @@ def run_size(table_gib: float, params, link_gbps):
                     if "error" in row:
                         continue
                     fn = fns[v]
+                    arg_sets = [(params, x, i_, r_, hbm) for i_, r_ in id_sets]
                     try:
-                        t = C.time_fn(fn, params, x, ids, rows, hbm, warmup=args.warmup if rnd == 0 else 1,
-                                      iters=args.iters)
+                        t = C.time_fn(fn, arg_sets=arg_sets, warmup=args.warmup if rnd == 0 else 1, iters=args.iters)
                         samples[v][0].append(_ms(t))
                         if rnd == 0:
                             row.update(p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
                         # the same steps back to back (a training loop): host-side costs overlap the device's work
-                        tb = C.time_back_to_back(fn, params, x, ids, rows, hbm, steps=args.iters, warmup=1,
-                                                 iters=max(3, args.iters // 2))
+                        tb = C.time_back_to_back(fn, steps=args.iters, warmup=1, iters=max(3, args.iters // 2),
+                                                 arg_sets=arg_sets)
                         samples[v][1].append(_ms(tb))
                         if args.profile and rnd == 0:
                             tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
                             with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
-                                for _ in range(3):
-                                    jax.block_until_ready(fn(params, x, ids, rows, hbm))
-                                jax.block_until_ready([fn(params, x, ids, rows, hbm) for _ in range(3)])
+                                for i_ in range(3):
+                                    jax.block_until_ready(fn(*arg_sets[i_ % nsets]))
+                                jax.block_until_ready([fn(*arg_sets[(3 + i_) % nsets]) for i_ in range(3)])
                     except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
                         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             for row in mode_rows:
@@ -454,7 +476,8 @@ def run_size(table_gib: float, params, link_gbps):
                 r["skipped"] = "host_gather='cpu' not available"
             else:
                 try:
-                    t = C.time_fn(fn, ids, hbm, warmup=args.warmup, iters=args.iters)
+                    t = C.time_fn(fn, arg_sets=[(i_, hbm) for i_, _ in id_sets], warmup=args.warmup,
+                                  iters=args.iters)
                     r.update(ms=_ms(t), gbps=C.gbps(nbytes, t["median_us"]))
                     r["pct_link"] = 100 * r["gbps"] / link_gbps if link_gbps and kind == "lookup" else None
                 except Exception as e:  # noqa: BLE001

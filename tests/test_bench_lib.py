@@ -38,6 +38,13 @@ sets = C.rotate(lambda i: (jnp.full((256,), i + 1.0),), 3)
 t_rot = C.time_fn(f, arg_sets=sets, warmup=1, iters=6)
 res["rotate"] = dict(k=len(sets), distinct=len({float(s[0][0]) for s in sets}), n=len(t_rot["samples"]),
                      k_for_1MiB=C.rotations_for_cache(1 << 20), k_for_1GiB=C.rotations_for_cache(1 << 30))
+used = []  # which set each call got: the count runs on from the warm-up, across both timers' own runs
+g = lambda a: (used.append(int(a[0])), f(a))[1]  # noqa: E731
+C.time_fn(g, arg_sets=sets, warmup=2, iters=4)
+res["rotate_time_fn"] = used[:]
+used.clear()
+tb = C.time_back_to_back(g, arg_sets=sets, steps=2, warmup=1, iters=2)
+res["rotate_b2b"] = dict(used=used[:], n=len(tb["samples"]))
 t_in = C.time_fn(f, x, warmup=1, iters=4, inner=10)
 res["inner"] = t_in["inner"]
 tl = C.time_loop(lambda c: c * 0.5 + 1.0, x, 50, warmup=1, iters=4)
@@ -199,6 +206,9 @@ def test_common(runs, ndev):
     assert {"median_us", "p10_us", "p90_us", "samples"} <= set(tf["keys"])
     assert r["rotate"]["k"] == 3 and r["rotate"]["distinct"] == 3 and r["rotate"]["n"] == 6
     assert r["rotate"]["k_for_1GiB"] == 2 and r["rotate"]["k_for_1MiB"] > 50
+    # sets hold 1.0, 2.0, 3.0: no timed call repeats the set the call before it used
+    assert r["rotate_time_fn"] == [1, 2, 3, 1, 2, 3]
+    assert r["rotate_b2b"] == dict(used=[1, 2, 3, 1, 2], n=2)
     assert r["inner"] == 10
     assert r["time_loop"] == dict(n=50, inner=50, positive=True)
     assert all(r["table"][k] for k in ("has_title", "has_na", "has_fmt", "has_sep")) and r["table"]["lines"] == 5
@@ -303,6 +313,27 @@ def test_time_per_call_removes_the_fixed_overhead(monkeypatch):
         C.time_per_call(make(0.0, 1e-6), (), 5, 5)
 
 
+def test_llc_bytes_sums_the_top_level_instances(tmp_path):
+    """llc_bytes counts each instance of the highest data cache level once (cpus sharing it list it twice), skips
+    instruction caches, and says None where sysfs has nothing."""
+    sys.path.insert(0, BENCH)
+    import _hostside as HS
+
+    def cache(cpu, index, level, kind, size, shared):
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, v in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{v}\n")
+
+    for cpu in range(4):
+        cache(cpu, 0, 1, "Data", "48K", str(cpu))
+        cache(cpu, 1, 1, "Instruction", "32K", str(cpu))
+        cache(cpu, 2, 2, "Unified", "2048K", str(cpu))
+        cache(cpu, 3, 3, "Unified", "32M", "0-1" if cpu < 2 else "2-3")  # two instances of 32 MiB
+    assert HS.llc_bytes(str(tmp_path)) == 64 << 20
+    assert HS.llc_bytes(str(tmp_path / "none")) is None
+
+
 def test_shown_args_keep_no_machine_paths():
     """A results file records --out and --profile by their last component, everything else as given."""
     import argparse
@@ -387,6 +418,7 @@ def test_bench_model_smoke(tmp_path):
                     assert math.isfinite(r[f"vs_{ref}_pct"]), r
         assert v in p.stdout
     assert steps[("resident", Ts[0], "fwd")]["vs_resident_pct"] == 0.0
+    assert {r["id_sets"] for r in res["steps"]} == {2}  # --smoke: the steps cycle through two id sets
     for r in res["fetch"]:
         assert r.get("skipped") or (math.isfinite(r["gbps"]) and r["gbps"] > 0), r
     assert res["tables"][0]["rows_per_table"] > 0 and res["config"]["row_bytes"] == 264
