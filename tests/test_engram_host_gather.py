@@ -3,7 +3,7 @@ pool that the CUDA host-table path uses (tests/workers/engram_host_check.py does
 reference (modes, padding, FP8 + sf in both layouts, odd row sizes, R = 1 and 3 devices of one process and
 2 and 3 processes, 1 and 3 threads), two
 pending fetches with their own slots, thread lifecycle, a worker failure, the config rule and the host
-measurement helpers.
+measurement helpers; and that the built modules kept the gather's software prefetches.
 
 GPU (marked gpu(1)): the same worker with host tables on the CUDA host path (host_gather="cpu"), one process and
 three ranks sharing one GPU; there the thread-lifecycle case also counts the members' enqueue threads (started by
