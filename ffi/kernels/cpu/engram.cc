@@ -79,11 +79,17 @@ int64_t engram_gather_rows(const EngramGather& g, int64_t begin, int64_t end) {
   // while the prefetch of its lines is in flight (nullptr: a zero row).
   const int64_t lines = std::min<int64_t>((rb + 63) / 64, 8);
   const uint8_t* ring[kPrefetchRows];
+  // With a scale-factor table (the CPU backend), the row's scale factors are prefetched too, into every cache level:
+  // engram_gather_sf_range reads them right after this range, and a random read of the sf table per row would
+  // otherwise cost a miss each.
+  const bool sf = g.sf_table && g.P > 0;
   auto source = [&](int64_t i) -> const uint8_t* {
     bool oob = false;
     const int64_t id = engram::resolve_id(g.ids[i], total, g.mode, &oob);
     if (oob && (first_bad < 0 || i < first_bad)) first_bad = i;
-    return id < 0 ? nullptr : row_source(g, id);
+    if (id < 0) return nullptr;
+    if (sf) __builtin_prefetch(g.sf_table + id * g.P, 0, 3);
+    return row_source(g, id);
   };
   for (int64_t i = begin; i < std::min(end, begin + kPrefetchRows); ++i) {
     ring[i % kPrefetchRows] = source(i);
