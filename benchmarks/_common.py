@@ -58,6 +58,18 @@ def _summarize(samples_us: list[float], **extra) -> dict:
     return out
 
 
+def _call_sets(args: tuple, arg_sets: Sequence[tuple] | None) -> list[tuple]:
+    """The argument tuples the timers cycle through: ``arg_sets``, or the one tuple ``args``."""
+    if arg_sets is None:
+        return [args]
+    sets = [_as_tuple(a) for a in arg_sets]
+    if not sets:
+        raise ValueError("arg_sets is empty")
+    if args:
+        raise ValueError("pass either positional args or arg_sets, not both")
+    return sets
+
+
 def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 1,
             arg_sets: Sequence[tuple] | None = None) -> dict:
     """Time ``fn(*args)`` (normally a jitted function) per call with the host wall clock.
@@ -72,14 +84,7 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, inner: int = 
     Returns ``dict(median_us, p10_us, p90_us, min_us, mean_us, samples, iters, warmup, inner)``, all
     per-iteration microseconds.
     """
-    if arg_sets is not None:
-        sets = [_as_tuple(a) for a in arg_sets]
-        if not sets:
-            raise ValueError("arg_sets is empty")
-        if args:
-            raise ValueError("pass either positional args or arg_sets, not both")
-    else:
-        sets = [args]
+    sets = _call_sets(args, arg_sets)
     inner = max(int(inner), 1)
     w = max(int(warmup), 1)
     for i in range(w):
@@ -102,14 +107,7 @@ def time_back_to_back(fn: Callable, *args, steps: int = 10, warmup: int = 2, ite
     costs (dispatch, the custom calls' enqueueing) then overlap the device's work instead of adding to each call,
     as they do in ``time_fn``. ``arg_sets``: as in ``time_fn`` (call i of the whole run uses set i mod k).
     Returns ``time_fn``'s dict (per call)."""
-    if arg_sets is not None:
-        sets = [_as_tuple(a) for a in arg_sets]
-        if not sets:
-            raise ValueError("arg_sets is empty")
-        if args:
-            raise ValueError("pass either positional args or arg_sets, not both")
-    else:
-        sets = [args]
+    sets = _call_sets(args, arg_sets)
     steps = max(int(steps), 1)
     calls = 0
     for _ in range(max(int(warmup), 1)):
