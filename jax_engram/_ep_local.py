@@ -50,6 +50,10 @@ import numpy as np
 from jax_engram import _call, _ep_flat
 from jax_engram._ep_guard import applies, guard_call
 
+# Expand layouts of at most this many (token, k) entries rank each entry among its expert's by comparing it with
+# every other entry (n^2 compares in one fused reduction), larger ones by a stable sort: at a few thousand entries
+# the compare is one short kernel where the sort is several.
+_RANK_BY_COMPARE = 2048
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -124,16 +128,22 @@ def _routing(cfg, topk_idx):
     count, aligned, start = _counts(cfg, valid, idx)
 
     if cfg.expand:
+        # entry (t, k) of expert e goes to row start[e] + its rank among e's entries in (token, k) order
+        n = N * K
         key = jnp.where(valid, idx, E).reshape(-1)                               # [N*K], E = none
-        order = jnp.argsort(key, stable=True).astype(i32)                        # by expert, then token
-        skey = key[order]
-        first = start if cfg.expert_alignment == 1 else jnp.cumsum(count, dtype=i32) - count  # unaligned starts
-        e = jnp.minimum(skey, E - 1)
-        j = jnp.arange(N * K, dtype=i32)
-        row_sorted = jnp.where(skey < E, start[e] + j - first[e], -1)
-        exp_row = jnp.full((N * K,), -1, i32).at[order].set(row_sorted, unique_indices=True).reshape(N, K)
-        src_entry = jnp.full((rows,), N * K, i32).at[jnp.where(row_sorted >= 0, row_sorted, rows)].set(
-            order, mode="drop")
+        j = jnp.arange(n, dtype=i32)
+        if n <= _RANK_BY_COMPARE:  # a few thousand entries: one fused compare-and-count, no sort
+            rank = jnp.sum((key[None, :] == key[:, None]) & (j[None, :] < j[:, None]), axis=1, dtype=i32)
+            exp_flat = jnp.where(key < E, start[jnp.minimum(key, E - 1)] + rank, -1)
+        else:  # a stable sort by expert: an entry's sorted position minus its expert's first position
+            order = jnp.argsort(key, stable=True).astype(i32)
+            skey = key[order]
+            first = start if cfg.expert_alignment == 1 else jnp.cumsum(count, dtype=i32) - count  # unaligned
+            e = jnp.minimum(skey, E - 1)
+            row_sorted = jnp.where(skey < E, start[e] + j - first[e], -1)
+            exp_flat = jnp.full((n,), -1, i32).at[order].set(row_sorted, unique_indices=True)
+        exp_row = exp_flat.reshape(N, K)
+        src_entry = jnp.full((rows,), n, i32).at[jnp.where(exp_flat >= 0, exp_flat, rows)].set(j, mode="drop")
         src_tok = jnp.where(src_entry < N * K, src_entry // K, N)
         meta_k = exp_row
         psum_expert = start + count
@@ -148,29 +158,43 @@ def _routing(cfg, topk_idx):
     per_tok = jnp.concatenate([jnp.arange(N, dtype=i32)[:, None], master[:, None], meta_k], axis=1)  # [N, K+2]
     meta = jnp.where((tok_of_row < N)[:, None], _take_rows(per_tok, tok_of_row), -1)
     handle = (recv_topk, num_recv[None], psum_expert, count, meta, dst_row, num_recv, aligned)
-    return handle, src_tok, src_entry
+    return handle, src_tok, src_entry, (exp_row if cfg.expand else None)
 
 
 def _replay(cfg, meta, psum_rank):
-    """The source token of every receive row (``N`` = none) and, expand, its (token, k) entry, from a handle."""
+    """The source token of every receive row (``N`` = none) and, expand, its (token, k) entry and the receive row
+    of every (token, k) entry ([N, K], -1 = none), from a handle."""
     N, K, rows, M = cfg.num_tokens, cfg.topk, cfg.rows, cfg.max_tokens_per_rank
     i32 = jnp.int32
     real = jnp.arange(M, dtype=i32) < psum_rank[-1]
     tok = jnp.where(real, meta[:, 0], N)                                         # gid = t at one rank
     if not cfg.expand:
-        return tok, None
+        return tok, None, None
     r = meta[:, 2:]                                                              # [M, K]
     ok = real[:, None] & (r >= 0)
     entry = tok[:, None] * K + jnp.arange(K, dtype=i32)
     src_entry = jnp.full((rows,), N * K, i32).at[jnp.where(ok, r, rows).reshape(-1)].set(
         entry.reshape(-1), mode="drop")
-    return jnp.where(src_entry < N * K, src_entry // K, N), src_entry
+    dest = jnp.full((N, K), -1, i32).at[jnp.where(real, tok, N)].set(jnp.where(ok, r, -1), mode="drop")
+    return jnp.where(src_entry < N * K, src_entry // K, N), src_entry, dest
 
 
-def _move(cfg, x, w, sf, src_tok, src_entry):
-    """recv_x, recv_x_scales and recv_topk_weights of a layout (rows nobody fills are zero)."""
+def _scatter_rows(cfg, x, dest, src_tok):
+    """The expand layout's receive rows [rows, H]: x's row t copied to its receive rows ``dest[t]`` ([N, K], -1:
+    none), zero rows wherever ``src_tok`` is N (no source). One native call (``jax_engram_ep_local_scatter``) that
+    reads each token's row once; a gather of the receive rows would read it once per written row."""
+    rows = src_tok.shape[0]
+    if x.shape[0] == 0 or rows == 0 or dest.shape[1] == 0:
+        return _take_rows(x, src_tok)
+    return _call.call(cfg.ctx, "jax_engram_ep_local_scatter", _call.like(x, (rows, x.shape[1])), x,
+                      dest.astype(jnp.int32), src_tok.astype(jnp.int32))
+
+
+def _move(cfg, x, w, sf, src_tok, src_entry, dest=None):
+    """recv_x, recv_x_scales and recv_topk_weights of a layout (rows nobody fills are zero); ``dest`` [N, K]: the
+    receive row of every (token, k) entry, for the expand layout's scatter."""
     N, K = w.shape
-    recv_x = _take_rows(x, src_tok)
+    recv_x = _scatter_rows(cfg, x, dest, src_tok) if dest is not None else _take_rows(x, src_tok)
     recv_sf = _take_rows(sf, src_tok)
     if K == 0:
         recv_w = jnp.zeros((0,), jnp.float32)
@@ -250,9 +274,9 @@ def _dispatch_raw(cfg, zero_padding, x, w, sf, topk_idx, token):
     token, checked = _guard(cfg, token, topk_idx, combine=False)
     # the layout comes from the guard's copy of topk_idx: it cannot be computed before the check
     x, w, sf, checked, token = _fence(x, w, sf, checked, token)
-    handle, src_tok, src_entry = _routing(cfg, checked)
+    handle, src_tok, src_entry, dest = _routing(cfg, checked)
     recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, group_sizes = handle
-    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
+    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry, dest)
     return _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv,
                   group_sizes, token)
 
@@ -261,8 +285,8 @@ def _cached_raw(cfg, zero_padding, x, w, sf, meta, psum_rank, psum_expert, unali
     del zero_padding, psum_expert, unaligned, dst_row  # the layout is replayed from meta and psum_rank alone
     token, _ = _guard(cfg, token, combine=False)
     x, w, sf, meta, psum_rank, token = _fence(x, w, sf, meta, psum_rank, token)
-    src_tok, src_entry = _replay(cfg, meta, psum_rank)
-    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry)
+    src_tok, src_entry, dest = _replay(cfg, meta, psum_rank)
+    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry, dest)
     return _fence(recv_x, recv_sf, recv_w, token)
 
 

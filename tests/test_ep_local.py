@@ -150,7 +150,13 @@ def _compare_handle(a, b, c, token_ok, tag):
           f"{tag} handle.recv_src_metadata", token_ok)
 
 
-def test_one_rank_path_matches_native_and_reference(contexts):
+@pytest.mark.parametrize("ranking", ["compare", "sort"])
+def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypatch):
+    """``ranking``: how the expand layout ranks the entries of an expert (_ep_local._RANK_BY_COMPARE): these cases
+    are small enough for the compare; "sort" forces the stable sort that larger layouts take."""
+    from jax_engram import _ep_local
+    if ranking == "sort":
+        monkeypatch.setattr(_ep_local, "_RANK_BY_COMPARE", 0)
     mesh, local, native = contexts
     print(f"test_ep_local seed {SEED} (replay: JAX_ENGRAM_EP_LOCAL_SEED={SEED})")
     rng = np.random.default_rng(SEED)
@@ -203,7 +209,7 @@ def test_one_rank_path_matches_native_and_reference(contexts):
     assert ran == CASES
 
 
-def test_one_rank_path_calls_only_its_guards_and_takes_no_region(contexts):
+def test_one_rank_path_calls_only_its_guards_and_scatter_and_takes_no_region(contexts):
     mesh, local, native = contexts
     N, H, K, E = 16, 16, 4, 8
 
@@ -220,7 +226,9 @@ def test_one_rank_path_calls_only_its_guards_and_takes_no_region(contexts):
     hlo = program(local).lower(*args).as_text()
     out, _ = program(local)(*args)
     targets = sorted(set(re.findall(r"custom_call @(jax_engram_\w+)", hlo)))
-    assert targets == ["jax_engram_ep_guard"] and hlo.count("@jax_engram_ep_guard(") == 2, targets
+    # the guards and, expand, the row scatter: no EP kernel
+    assert targets == ["jax_engram_ep_guard", "jax_engram_ep_local_scatter"], targets
+    assert hlo.count("@jax_engram_ep_guard(") == 2 and hlo.count("@jax_engram_ep_local_scatter(") == 1, hlo
     assert local._regions == regions
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((N, H), K, np.float32))
     assert "jax_engram_ep_dispatch" in program(native).lower(*args).as_text()  # the switch reaches the kernels

@@ -1,4 +1,4 @@
-// CPU handlers of EP dispatch, cached dispatch, combine and the one-rank guard: FFI binding and validation only; the
+// CPU handlers of EP dispatch, cached dispatch, combine, the one-rank guard and row scatter: FFI binding and validation only; the
 // protocol lives in kernels/cpu/ep.cc. Every shape/dtype error names the argument.
 #include <cstring>
 #include <initializer_list>
@@ -190,6 +190,21 @@ ffi::Error EpGuardCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk
   return s.check_recorded();
 }
 
+// The one-rank local path's row scatter (expand layout; kernels/cpu/ep.cc ep_local_scatter): stateless, after the
+// guard that checked the context and the routing.
+ffi::Error EpLocalScatterCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer dest, ffi::AnyBuffer src,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t ctx_id) {
+  (void)ordinal;
+  (void)ctx_id;
+  JE_CHECK(check_local_scatter(kOpEpDispatch, x, dest, src, *out));
+  const int64_t N = x.dimensions()[0], K = dest.dimensions()[1], rows = src.dimensions()[0];
+  const int64_t row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  cpu::ep_local_scatter(static_cast<const uint8_t*>(x.untyped_data()), static_cast<const int32_t*>(dest.untyped_data()),
+                        static_cast<const int32_t*>(src.untyped_data()), static_cast<uint8_t*>(out->untyped_data()), N,
+                        K, rows, row_bytes);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Context arguments of every handler here: the device ordinal.
@@ -204,10 +219,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpCombineCpu, EpCombineCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCpu, EpGuardCpu,
                               bind_ep_guard(cpu_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCpu, EpLocalScatterCpu,
+                              bind_ep_local_scatter(cpu_context()));
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCpu));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCpu));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCpu));
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCpu));
+static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCpu));
 
 }  // namespace jax_engram

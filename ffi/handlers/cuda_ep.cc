@@ -1,4 +1,4 @@
-// CUDA handlers of EP dispatch, cached dispatch, combine and the one-rank guard (same target names, operands, results
+// CUDA handlers of EP dispatch, cached dispatch, combine, the one-rank guard and row scatter (same target names, operands, results
 // and attributes as the CPU handlers in cpu_ep.cc; the shape/dtype validation is shared: validate.h). Binding and
 // validation only: the protocol lives in kernels/cuda/ep_dispatch.cu and ep_combine.cu (the guard's check in
 // ep_guard.cu), the copy-engine rows and the host's call count in kernels/cuda/ep_copy_engine.cc. Each op is ONE
@@ -340,6 +340,28 @@ ffi::Error EpGuardCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer toke
   return ffi::Error::Success();
 }
 
+// The one-rank local path's row scatter (expand layout; kernels/cuda/ep_local.cu): stateless (no context state, no
+// host state per call: the same code serves capture), after the guard that checked the context and the routing.
+ffi::Error EpLocalScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer dest,
+                              ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> out, int64_t ctx_id) {
+  (void)ctx_id;
+  JE_CHECK(check_local_scatter(kOpEpDispatch, x, dest, src, *out));
+  EpLocalScatterParams p;
+  p.x = static_cast<const uint8_t*>(x.untyped_data());
+  p.dest = static_cast<const int32_t*>(dest.untyped_data());
+  p.src = static_cast<const int32_t*>(src.untyped_data());
+  p.out = static_cast<uint8_t*>(out->untyped_data());
+  p.N = x.dimensions()[0];
+  p.K = static_cast<int32_t>(dest.dimensions()[1]);
+  p.rows = src.dimensions()[0];
+  p.row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  CudaDeviceGuard g(ordinal);
+  if (g.status() != cudaSuccess) return cuda_failure(kOpEpDispatch, "cudaSetDevice", g.status());
+  const cudaError_t e = launch_ep_local_scatter(p, stream);
+  if (e != cudaSuccess) return cuda_failure(kOpEpDispatch, "launching the local row scatter", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
@@ -374,6 +396,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCuda, EpGuardCuda<false>,
                               bind_ep_guard(cuda_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardGraphCuda, EpGuardCuda<true>,
                               bind_ep_guard(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+// One target: the scatter keeps no state, so XLA may capture it in a CUDA graph whatever the context's setting.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCuda, EpLocalScatterCuda,
+                              bind_ep_local_scatter(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
@@ -384,5 +409,6 @@ static HandlerRegistrar reg_cached_g("jax_engram_ep_dispatch_cached_graph",
 static HandlerRegistrar reg_combine_g("jax_engram_ep_combine_graph", reinterpret_cast<void*>(JeEpCombineGraphCuda));
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCuda));
 static HandlerRegistrar reg_guard_g("jax_engram_ep_guard_graph", reinterpret_cast<void*>(JeEpGuardGraphCuda));
+static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCuda));
 
 }  // namespace jax_engram

@@ -139,4 +139,17 @@ auto bind_ep_guard(B&& b) {
   return std::move(ops).template Attrs<EpGuardAttrs>();
 }
 
+// The one-rank local path's row scatter (expand layout): x [N, H], dest [N, K] (the receive row of every entry, -1:
+// none), src [rows] (the source token of every receive row, N: none) -> out [rows, H], x's dtype. Stateless: the
+// context (ctx_id) only names the call's group; the guard before it has checked the context and the routing.
+template <typename B>
+auto bind_ep_local_scatter(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // dest
+      .template Arg<ffi::AnyBuffer>()  // src
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Attr<int64_t>("ctx_id");
+}
+
 }  // namespace jax_engram

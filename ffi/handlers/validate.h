@@ -304,5 +304,26 @@ inline ffi::Error check_guard(int32_t op, const ffi::AnyBuffer& token, const ffi
   return check_token(op, token, token_out);
 }
 
+// The local row scatter (bind_ep_local_scatter): x [N, H], dest [N, K <= kEpMaxTopk] s32, src [rows] s32, out
+// [rows, H] of x's dtype.
+inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dest,
+                                      const ffi::AnyBuffer& src, const ffi::AnyBuffer& out) {
+  if (x.dimensions().size() != 2) return op_error(op, "x must be 2-D [N, H], got " + shape_str(x));
+  const int64_t N = x.dimensions()[0], H = x.dimensions()[1];
+  if (dest.dimensions().size() != 2) return op_error(op, "the receive rows must be 2-D [N, K], got " + shape_str(dest));
+  JE_CHECK(check(op, "the receive rows", dest, {N, -1}, {DT::S32}));
+  if (dest.dimensions()[1] > kEpMaxTopk)
+    return op_error(op, "top-k " + std::to_string(dest.dimensions()[1]) + " must be <= " + std::to_string(kEpMaxTopk));
+  if (src.dimensions().size() != 1) return op_error(op, "the source tokens must be 1-D [rows], got " + shape_str(src));
+  JE_CHECK(check(op, "the source tokens", src, {-1}, {DT::S32}));
+  if (out.dimensions().size() != 2 || out.dimensions()[0] != src.dimensions()[0] || out.dimensions()[1] != H ||
+      out.element_type() != x.element_type())
+    return op_error(op, "recv_x must be [" + std::to_string(src.dimensions()[0]) + ", " + std::to_string(H) +
+                            "] of x's dtype, got " + shape_str(out));
+  if (N >= (int64_t{1} << 31) || src.dimensions()[0] >= (int64_t{1} << 31))
+    return op_error(op, "the local scatter takes fewer than 2^31 tokens and rows");
+  return ffi::Error::Success();
+}
+
 }  // namespace validate
 }  // namespace jax_engram

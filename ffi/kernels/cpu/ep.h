@@ -75,6 +75,11 @@ struct EpCombineArgs {
   float* out_w = nullptr;              // [N, K] or null
 };
 
+// The one-rank local path's row scatter (jax_engram/_ep_local.py, expand layout; the CUDA kernel: cuda/ep_local.cu):
+// out[dest[t, k]] = x[t] for every entry with a destination in [0, rows), and a zero row wherever src[r] is not a
+// token in [0, N). Rows move as bytes.
+void ep_local_scatter(const uint8_t* x, const int32_t* dest, const int32_t* src, uint8_t* out, int64_t N, int64_t K,
+                      int64_t rows, int64_t row_bytes);
 // The routing check of a dispatch without the dispatch (the one-rank local path's guard, jax_engram/_ep_local.py):
 // the first bad entry of topk [N, K] (an id outside [-1, E), a valid id listed twice in a token), found in the same
 // order as ep_dispatch finds it, is recorded in the member's ErrorRecord as ep_dispatch records it; returns false

@@ -1,4 +1,4 @@
-// Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu, ep_guard.cu): parameter blocks and
+// Host-side interface of the CUDA EP kernels (ep_dispatch.cu, ep_combine.cu, ep_guard.cu, ep_local.cu): parameter blocks and
 // launchers.
 // Plain C++ (no device code): included by handlers/cuda_ep.cc and the host orchestration (ep_copy_engine.cc).
 //
@@ -184,11 +184,25 @@ struct EpGuardParams {
   int32_t records = 0;             // 1: topk is a group's routing records [N = R + 1, K = 3] (EpGuardAttrs)
 };
 
-// ONE CTA on `stream` copies topk to topk_out and records topk's first bad entry (an id outside [-1, E), a valid id
+// One launch on `stream` (a CTA per 256 tokens) copies topk to topk_out and records topk's first bad entry (an id outside [-1, E), a valid id
 // listed twice in a token: the same entry, found in the same order, and the same record as the dispatch kernel's
 // layout pass) in the member's error record; the next op's handler or ctx.check() reports it. No host sync.
 // With p.records: one thread copies the records and records the group's first offender (cpu::ep_guard_records).
 cudaError_t launch_ep_guard(const EpGuardParams& p, cudaStream_t stream);
+
+// The one-rank local path's row scatter (ep_local.cu), expand layout: out[dest[t, k]] = x[t] for every entry with a
+// destination in [0, rows), and a zero row wherever src[r] is not a token in [0, N). Rows move as bytes.
+struct EpLocalScatterParams {
+  const uint8_t* x = nullptr;     // [N, row_bytes]
+  const int32_t* dest = nullptr;  // [N, K]: the receive row of entry (t, k), -1: none
+  const int32_t* src = nullptr;   // [rows]: the source token of receive row r, outside [0, N): none (zeroed)
+  uint8_t* out = nullptr;         // [rows, row_bytes]
+  int64_t N = 0, rows = 0, row_bytes = 0;
+  int32_t K = 0;
+};
+
+// One launch on `stream`: N + ceil(rows / 8) CTAs (see ep_local.cu). No host sync.
+cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
 // `ce`: copy-engine rows (the peers' layout counters too); *peer_offset: where those start.
