@@ -333,6 +333,9 @@ _BAD = {
     # more tokens than one round of the CUDA guard's threads, K past a register bucket (ep_guard.cu)
     "wide": (2100, 20, 64, {(2050, 19): 5, (1999, 17): 64, (1025, 13): 12}, ["token 1025", "lists expert 12"]),
     "top32": (40, 32, 32, {(39, 31): 0}, ["token 39", "lists expert 0 more than once"]),
+    # bad tokens in three of the CUDA guard's CTAs (256 tokens each), 16-byte rows: the earliest one is recorded
+    "three_ctas": (1000, 8, 16, {(900, 3): 16, (770, 0): -5, (520, 1): 2, (520, 5): 2},
+                   ["token 520", "lists expert 2 more than once"]),
 }
 
 

@@ -1,16 +1,15 @@
 // The guard of the one-rank local path (jax_engram/_ep_local.py) on CUDA: the dispatch kernel's routing check
-// (ep_dispatch.cu, layout pass 1) without the dispatch. ONE CTA, one thread per token and round; each thread loads its
-// token's K ids into registers, writes them to topk_out (the copy the local path computes the layout from) and finds
-// its first bad k: an id outside [-1, E), or a valid id an earlier k of the token holds. The smallest
-// (token << 6 | k) over all tokens is the first bad entry in (token, k) order, the entry the dispatch kernel
-// records; thread 0 records it exactly as the dispatch kernel records its own rank's bad entry (kErrBadInput,
-// kOpEpDispatch, peer = rank, observed = the id, detail = ep_bad_detail(token, kind)). The next op's handler or
-// ctx.check() reports it, as for the dispatch kernel. With records = 1 (a ("node", "gpu") group's routing records,
-// EpGuardAttrs) a single thread reports the group's first offender instead (records_kernel).
-//
-// One CTA so that "first" needs no grid-wide reduction (no scratch memory, no second launch): the ids of a round are
-// one load per thread, all in flight together, and the check is a few compares, so a round costs about one memory
-// round trip.
+// (ep_dispatch.cu, layout pass 1) without the dispatch. One thread per token, kGuardThreads tokens per CTA, as many
+// CTAs as the tokens need; each thread loads its token's K ids into registers (16-byte loads where the rows allow),
+// writes them to topk_out (the copy the local path computes the layout from) and finds its first bad k: an id outside
+// [-1, E), or a valid id an earlier k of the token holds. The smallest (token << 6 | k) of a CTA is its first bad
+// entry in (token, k) order. The CTA that holds the routing's first bad entry records it, exactly as the dispatch
+// kernel records its own rank's bad entry (kErrBadInput, kOpEpDispatch, peer = rank, observed = the id, detail =
+// ep_bad_detail(token, kind)): a CTA with a bad entry first checks the tokens of every earlier CTA again (only on
+// this error path) and records nothing if one of them is bad. No scratch memory, no second launch, one record.
+// The next op's handler or ctx.check() reports it, as for the dispatch kernel. With records = 1 (a ("node", "gpu")
+// group's routing records, EpGuardAttrs) a single thread reports the group's first offender instead
+// (records_kernel).
 #include <climits>
 
 #include "kernels/cuda/ep.h"
@@ -19,46 +18,97 @@
 namespace jax_engram {
 namespace {
 
-// Threads of the CTA: ids are kept in registers (kMaxK per thread), so the widest tokens get half as many threads.
-constexpr int guard_threads(int max_k) { return max_k <= 16 ? 1024 : 512; }
+constexpr int kGuardThreads = 256;
+
+// The ids of token t (k < K; -1 past K) into registers: 16-byte loads where K is a multiple of 4.
+template <int kMaxK>
+__device__ __forceinline__ void load_ids(const int32_t* topk, int64_t t, int K, int (&id)[kMaxK]) {
+  const int32_t* row = topk + t * K;
+  if constexpr (kMaxK >= 4) {
+    if (K % 4 == 0) {
+#pragma unroll
+      for (int k = 0; k < kMaxK; k += 4) {
+        if (k < K) {
+          const int4 v = __ldg(reinterpret_cast<const int4*>(row + k));
+          id[k] = v.x, id[k + 1] = v.y, id[k + 2] = v.z, id[k + 3] = v.w;
+        } else {
+          id[k] = id[k + 1] = id[k + 2] = id[k + 3] = -1;
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxK; ++k) id[k] = k < K ? __ldg(row + k) : -1;
+}
+
+template <int kMaxK>
+__device__ __forceinline__ void store_ids(int32_t* out, int64_t t, int K, const int (&id)[kMaxK]) {
+  int32_t* row = out + t * K;
+  if constexpr (kMaxK >= 4) {
+    if (K % 4 == 0) {
+#pragma unroll
+      for (int k = 0; k < kMaxK; k += 4)
+        if (k < K) *reinterpret_cast<int4*>(row + k) = make_int4(id[k], id[k + 1], id[k + 2], id[k + 3]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxK; ++k)
+    if (k < K) row[k] = id[k];
+}
+
+// The token's first bad k (an id outside [-1, E), or a valid id an earlier k holds), -1: none.
+template <int kMaxK>
+__device__ __forceinline__ int first_bad_k(const int (&id)[kMaxK], int K, int E) {
+  int first = -1;
+#pragma unroll
+  for (int k = kMaxK - 1; k >= 0; --k) {  // descending: the last bad k seen is the smallest
+    bool bad = k < K && (id[k] < -1 || id[k] >= E);
+#pragma unroll
+    for (int j = 0; j < k; ++j) bad |= id[k] >= 0 && id[j] == id[k];  // k >= K holds -1: never a duplicate
+    if (bad) first = k;
+  }
+  return first;
+}
 
 // kMaxK >= K: the register array's size (compile-time indices keep it in registers).
 template <int kMaxK>
-__global__ void __launch_bounds__(guard_threads(kMaxK)) guard_kernel(const EpGuardParams p) {
-  __shared__ unsigned long long sh_bad;  // the smallest (token << 6 | k) of a bad entry, ULLONG_MAX: none
+__global__ void __launch_bounds__(kGuardThreads) guard_kernel(const EpGuardParams p) {
+  __shared__ unsigned long long sh_bad;  // the smallest (token << 6 | k) of a bad entry of this CTA, ULLONG_MAX: none
+  __shared__ int sh_earlier;             // an earlier CTA's token is bad: that CTA records
   const int tid = threadIdx.x;
   const int K = p.K, E = p.E;
   if (tid == 0) {
     sh_bad = ULLONG_MAX;
-    if (p.token_out != p.token) *p.token_out = *p.token;
+    sh_earlier = 0;
+    if (blockIdx.x == 0 && p.token_out != p.token) *p.token_out = *p.token;
   }
   __syncthreads();
-  for (int64_t t = tid; t < p.N; t += blockDim.x) {
-    const int32_t* row = p.topk + t * K;
-    int32_t* out = p.topk_out + t * K;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kGuardThreads;
+  const int64_t t = t0 + tid;
+  if (t < p.N) {
     int id[kMaxK];
-#pragma unroll
-    for (int k = 0; k < kMaxK; ++k) id[k] = k < K ? __ldg(row + k) : -1;
-#pragma unroll
-    for (int k = 0; k < kMaxK; ++k)
-      if (k < K) out[k] = id[k];
-    int first = -1;
-#pragma unroll
-    for (int k = kMaxK - 1; k >= 0; --k) {  // descending: the last bad k seen is the smallest
-      bool bad = k < K && (id[k] < -1 || id[k] >= E);
-#pragma unroll
-      for (int j = 0; j < k; ++j) bad |= id[k] >= 0 && id[j] == id[k];  // k >= K holds -1: never a duplicate
-      if (bad) first = k;
-    }
+    load_ids<kMaxK>(p.topk, t, K, id);
+    store_ids<kMaxK>(p.topk_out, t, K, id);
+    const int first = first_bad_k<kMaxK>(id, K, E);
     if (first >= 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | static_cast<unsigned>(first));
   }
   __syncthreads();
-  if (tid == 0 && sh_bad != ULLONG_MAX) {
-    const int64_t t = static_cast<int64_t>(sh_bad >> 6);
+  if (sh_bad == ULLONG_MAX) return;
+  for (int64_t u = tid; u < t0; u += kGuardThreads) {  // the error path only
+    int id[kMaxK];
+    load_ids<kMaxK>(p.topk, u, K, id);
+    if (first_bad_k<kMaxK>(id, K, E) >= 0) sh_earlier = 1;
+  }
+  __syncthreads();
+  if (tid == 0 && !sh_earlier) {
+    const int64_t bt = static_cast<int64_t>(sh_bad >> 6);
     const int k = static_cast<int>(sh_bad & 63);
-    const int id = p.topk[t * K + k];
-    const int kind = (id < -1 || id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
-    cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, id, 0, ep_bad_detail(t, kind));
+    const int bad_id = p.topk[bt * K + k];
+    const int kind = (bad_id < -1 || bad_id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+    cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0,
+                              ep_bad_detail(bt, kind));
   }
 }
 
@@ -76,7 +126,8 @@ __global__ void records_kernel(const EpGuardParams p) {
 
 template <int kMaxK>
 cudaError_t launch(const EpGuardParams& p, cudaStream_t stream) {
-  guard_kernel<kMaxK><<<1, guard_threads(kMaxK), 0, stream>>>(p);
+  const int64_t grid = p.N > 0 ? (p.N + kGuardThreads - 1) / kGuardThreads : 1;  // one CTA copies the token
+  guard_kernel<kMaxK><<<static_cast<unsigned>(grid), kGuardThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
