@@ -220,27 +220,33 @@ void bind_runtime(nb::module_& m, const char* platform) {
         nb::arg("ctx_id"), "Test hook: the next host gather job of every local member of the context fails inside "
                         "its worker.");
   // The ordered worker thread (runtime/ordered_worker.h) that enqueues overlapped host-path fetches on a GPU, exposed
-  // for its own test on any machine. Tasks are Python callables (run holding the GIL); waits release it.
-  nb::class_<OrderedWorker>(m, "_OrderedWorker")
-      .def(nb::init<const std::string&>(), nb::arg("name"))
-      .def("submit", [](OrderedWorker& w, std::function<void()> f) { return w.submit(std::move(f)); }, nb::arg("task"))
-      .def("wait", &OrderedWorker::wait, nb::arg("ticket"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
-      .def("submit_watch",
-           [](OrderedWorker& w, std::function<bool()> ready, std::function<void(bool)> fire, double timeout_s) {
-             OrderedWorker* pw = &w;
-             return w.submit([pw, ready, fire, timeout_s] {
-               pw->watch(ready, fire, OrderedWorker::Clock::now() +
-                                          std::chrono::duration_cast<OrderedWorker::Clock::duration>(
-                                              std::chrono::duration<double>(timeout_s)));
-             });
-           },
-           nb::arg("ready"), nb::arg("fire"), nb::arg("timeout_s"),
-           "Queues a task that leaves a watch: ready() is polled between tasks; fire(timed_out) runs once.")
-      .def("watches", &OrderedWorker::watches)
-      .def("drain", &OrderedWorker::drain, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
-      .def("submitted", &OrderedWorker::submitted)
-      .def("completed", &OrderedWorker::completed)
-      .def("stop", &OrderedWorker::stop, nb::call_guard<nb::gil_scoped_release>());
+  // for its own test on any machine. Tasks are Python callables (run holding the GIL); waits release it. Bound in
+  // the CPU module only: nanobind registers a C++ type once per process, and a second module binding the same type
+  // makes its import warn.
+  if (std::string(platform) == "cpu") {
+    nb::class_<OrderedWorker>(m, "_OrderedWorker")
+        .def(nb::init<const std::string&>(), nb::arg("name"))
+        .def("submit", [](OrderedWorker& w, std::function<void()> f) { return w.submit(std::move(f)); },
+             nb::arg("task"))
+        .def("wait", &OrderedWorker::wait, nb::arg("ticket"), nb::arg("timeout_s"),
+             nb::call_guard<nb::gil_scoped_release>())
+        .def("submit_watch",
+             [](OrderedWorker& w, std::function<bool()> ready, std::function<void(bool)> fire, double timeout_s) {
+               OrderedWorker* pw = &w;
+               return w.submit([pw, ready, fire, timeout_s] {
+                 pw->watch(ready, fire, OrderedWorker::Clock::now() +
+                                            std::chrono::duration_cast<OrderedWorker::Clock::duration>(
+                                                std::chrono::duration<double>(timeout_s)));
+               });
+             },
+             nb::arg("ready"), nb::arg("fire"), nb::arg("timeout_s"),
+             "Queues a task that leaves a watch: ready() is polled between tasks; fire(timed_out) runs once.")
+        .def("watches", &OrderedWorker::watches)
+        .def("drain", &OrderedWorker::drain, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
+        .def("submitted", &OrderedWorker::submitted)
+        .def("completed", &OrderedWorker::completed)
+        .def("stop", &OrderedWorker::stop, nb::call_guard<nb::gil_scoped_release>());
+  }
   m.def("_test_fail_next_host_enqueue", [](int64_t ctx) { arm_test_hook(ctx, &Member::host_enqueue_fail_next); },
         nb::arg("ctx_id"), "Test hook (CUDA): the next overlapped host-path fetch of every local member of the context "
                         "fails on the enqueue thread instead of being enqueued.");
