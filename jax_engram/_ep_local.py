@@ -1,4 +1,5 @@
-"""The one-rank EP path: dispatch / combine of a flat context of ONE rank as a local permutation in plain JAX.
+"""The one-rank EP path: dispatch / combine of a flat context of ONE rank as a local permutation (plain JAX and
+one native row scatter).
 
 At one rank nothing crosses a link: every token's destination is the rank itself, so dispatch moves x's rows into
 the documented receive layout (non-expand: a gather; expand: a native scatter, ``jax_engram_ep_local_scatter``,
