@@ -183,11 +183,11 @@ def _replay(cfg, meta, psum_rank):
 
 
 def _scatter_rows(cfg, x, dest, src_tok):
-    """The expand layout's receive rows [rows, H]: x's row t copied to its receive rows ``dest[t]`` ([N, K], -1:
-    none), zero rows wherever ``src_tok`` is N (no source). One native call (``jax_engram_ep_local_scatter``) that
-    reads each token's row once; a gather of the receive rows would read it once per written row."""
+    """The expand layout's receive rows [rows, H]: row r is x[src_tok[r]] where that token lists r in ``dest``
+    ([N, K], -1: none), else zero (``src_tok`` N: no source). One native call (``jax_engram_ep_local_scatter``)
+    that reads each token's row once; a gather of the receive rows would read it once per written row."""
     rows = src_tok.shape[0]
-    if x.shape[0] == 0 or rows == 0 or dest.shape[1] == 0:
+    if x.shape[0] == 0 or x.shape[1] == 0 or rows == 0 or dest.shape[1] == 0:
         return _take_rows(x, src_tok)
     return _call.call(cfg.ctx, "jax_engram_ep_local_scatter", _call.like(x, (rows, x.shape[1])), x,
                       dest.astype(jnp.int32), src_tok.astype(jnp.int32))

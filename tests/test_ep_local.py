@@ -241,6 +241,44 @@ def test_one_rank_path_calls_only_its_guards_and_scatter_and_takes_no_region(con
     assert re.search(rf"get-tuple-element\(%{re.escape(guard.group(1))}\), index=1", compiled), compiled
 
 
+def _scatter_rule(x, dest, src):
+    """numpy: row r is x[src[r]] where that token lists r in dest, else zero (ep_local_scatter's rule)."""
+    N = x.shape[0]
+    out = np.zeros((src.shape[0],) + x.shape[1:], x.dtype)
+    for r, s in enumerate(src):
+        if 0 <= s < N and r in dest[s]:
+            out[r] = x[s]
+    return out
+
+
+@pytest.mark.parametrize("dtype,H", [("bfloat16", 16), ("float8_e4m3fn", 7), ("float32", 3), ("bfloat16", 0)])
+def test_scatter_rows_follows_the_owner_rule_whatever_dest_and_src_hold(contexts, dtype, H):
+    """The native scatter (jax_engram_ep_local_scatter) writes row r from token src[r] only where that token lists r,
+    zeroes every other row, and gives every row one writer even where dest and src disagree (a handle's metadata
+    rebuilds them): two tokens listing one row, a row whose source does not list it, rows outside the receive rows.
+    Row sizes of 16, 7 and 12 bytes take the kernel's 16-, 1- and 4-byte words; H = 0 moves nothing."""
+    from types import SimpleNamespace
+
+    from jax_engram import _ep_local
+
+    mesh, local, _ = contexts
+    rng = np.random.default_rng(SEED)
+    N, K, rows = 5, 3, 23
+    cases = [(np.array([[0, 2, -1], [2, 5, 40], [-1, 9, 9], [3, 3, 4], [-7, -1, 22]], np.int32),
+              np.array([0, 1, 2, 3, 1, 1, 5, -3, 4] + [N] * 13 + [4], np.int32))]
+    for _ in range(4):
+        cases.append((rng.integers(-2, rows + 3, (N, K)).astype(np.int32),
+                      rng.integers(-2, N + 2, (rows,)).astype(np.int32)))
+    cfg = SimpleNamespace(ctx=local)
+    fn = jax.jit(jax.shard_map(lambda x, d, s: _ep_local._scatter_rows(cfg, x, d, s), mesh=mesh,
+                               in_specs=(P(), P(), P()), out_specs=P(), check_vma=False))
+    for dest, src in cases:
+        x = jnp.asarray(rng.standard_normal((N, H)).astype(np.float32)).astype(dtype)
+        out = fn(x, jnp.asarray(dest), jnp.asarray(src))
+        assert out.shape == (rows, H) and out.dtype == x.dtype
+        np.testing.assert_array_equal(_bits(out), _bits(_scatter_rule(np.asarray(x), dest, src)), err_msg=str(dest))
+
+
 def test_one_rank_path_is_chosen_in_ep_path_and_differentiated_by_the_shared_rules(contexts, monkeypatch):
     # jax_engram.ep._path picks the path per context and EPConfig; the one-rank path defines no gradient rule of its
     # own: the backward of its dispatch is its combine_impl and the backward of its combine its cached_impl, under

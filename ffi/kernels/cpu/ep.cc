@@ -91,13 +91,17 @@ bool first_bad_route(const int32_t* topk, int64_t N, int64_t K, int64_t E, int64
 
 void ep_local_scatter(const uint8_t* x, const int32_t* dest, const int32_t* src, uint8_t* out, int64_t N, int64_t K,
                       int64_t rows, int64_t row_bytes) {
-  for (int64_t r = 0; r < rows; ++r)
-    if (src[r] < 0 || src[r] >= N) std::memset(out + r * row_bytes, 0, static_cast<size_t>(row_bytes));
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t r = dest[t * K + k];
-      if (r >= 0 && r < rows) std::memcpy(out + r * row_bytes, x + t * row_bytes, static_cast<size_t>(row_bytes));
-    }
+  // Row r belongs to token src[r] when that token lists r among its destinations; every other row is zeroed.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t s = src[r];
+    bool owned = false;
+    if (s >= 0 && s < N)
+      for (int64_t k = 0; k < K; ++k) owned |= dest[s * K + k] == r;
+    if (owned)
+      std::memcpy(out + r * row_bytes, x + s * row_bytes, static_cast<size_t>(row_bytes));
+    else
+      std::memset(out + r * row_bytes, 0, static_cast<size_t>(row_bytes));
+  }
 }
 
 bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E) {

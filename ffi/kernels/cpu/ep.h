@@ -76,8 +76,8 @@ struct EpCombineArgs {
 };
 
 // The one-rank local path's row scatter (jax_engram/_ep_local.py, expand layout; the CUDA kernel: cuda/ep_local.cu):
-// out[dest[t, k]] = x[t] for every entry with a destination in [0, rows), and a zero row wherever src[r] is not a
-// token in [0, N). Rows move as bytes.
+// out[r] = x[src[r]] where src[r] is a token in [0, N) that lists r among its destinations dest[src[r], :], else a
+// zero row (in a layout made from the routing the two always agree). Rows move as bytes.
 void ep_local_scatter(const uint8_t* x, const int32_t* dest, const int32_t* src, uint8_t* out, int64_t N, int64_t K,
                       int64_t rows, int64_t row_bytes);
 // The routing check of a dispatch without the dispatch (the one-rank local path's guard, jax_engram/_ep_local.py):

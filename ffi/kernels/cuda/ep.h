@@ -190,8 +190,9 @@ struct EpGuardParams {
 // With p.records: one thread copies the records and records the group's first offender (cpu::ep_guard_records).
 cudaError_t launch_ep_guard(const EpGuardParams& p, cudaStream_t stream);
 
-// The one-rank local path's row scatter (ep_local.cu), expand layout: out[dest[t, k]] = x[t] for every entry with a
-// destination in [0, rows), and a zero row wherever src[r] is not a token in [0, N). Rows move as bytes.
+// The one-rank local path's row scatter (ep_local.cu), expand layout: out[r] = x[src[r]] where src[r] is a token in
+// [0, N) that lists r among its destinations dest[src[r], :], else a zero row (the CPU kernel's rule; in a layout
+// made from the routing the two always agree). Rows move as bytes.
 struct EpLocalScatterParams {
   const uint8_t* x = nullptr;     // [N, row_bytes]
   const int32_t* dest = nullptr;  // [N, K]: the receive row of entry (t, k), -1: none

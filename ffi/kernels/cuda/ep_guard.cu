@@ -20,12 +20,13 @@ namespace {
 
 constexpr int kGuardThreads = 256;
 
-// The ids of token t (k < K; -1 past K) into registers: 16-byte loads where K is a multiple of 4.
+// The ids of token t (k < K; -1 past K) into registers: 16-byte loads where `vec4` (K a multiple of 4 and both
+// buffers 16-byte aligned, decided by the launcher).
 template <int kMaxK>
-__device__ __forceinline__ void load_ids(const int32_t* topk, int64_t t, int K, int (&id)[kMaxK]) {
+__device__ __forceinline__ void load_ids(const int32_t* topk, int64_t t, int K, bool vec4, int (&id)[kMaxK]) {
   const int32_t* row = topk + t * K;
   if constexpr (kMaxK >= 4) {
-    if (K % 4 == 0) {
+    if (vec4) {
 #pragma unroll
       for (int k = 0; k < kMaxK; k += 4) {
         if (k < K) {
@@ -43,10 +44,10 @@ __device__ __forceinline__ void load_ids(const int32_t* topk, int64_t t, int K, 
 }
 
 template <int kMaxK>
-__device__ __forceinline__ void store_ids(int32_t* out, int64_t t, int K, const int (&id)[kMaxK]) {
+__device__ __forceinline__ void store_ids(int32_t* out, int64_t t, int K, bool vec4, const int (&id)[kMaxK]) {
   int32_t* row = out + t * K;
   if constexpr (kMaxK >= 4) {
-    if (K % 4 == 0) {
+    if (vec4) {
 #pragma unroll
       for (int k = 0; k < kMaxK; k += 4)
         if (k < K) *reinterpret_cast<int4*>(row + k) = make_int4(id[k], id[k + 1], id[k + 2], id[k + 3]);
@@ -74,7 +75,7 @@ __device__ __forceinline__ int first_bad_k(const int (&id)[kMaxK], int K, int E)
 
 // kMaxK >= K: the register array's size (compile-time indices keep it in registers).
 template <int kMaxK>
-__global__ void __launch_bounds__(kGuardThreads) guard_kernel(const EpGuardParams p) {
+__global__ void __launch_bounds__(kGuardThreads) guard_kernel(const EpGuardParams p, bool vec4) {
   __shared__ unsigned long long sh_bad;  // the smallest (token << 6 | k) of a bad entry of this CTA, ULLONG_MAX: none
   __shared__ int sh_earlier;             // an earlier CTA's token is bad: that CTA records
   const int tid = threadIdx.x;
@@ -89,16 +90,17 @@ __global__ void __launch_bounds__(kGuardThreads) guard_kernel(const EpGuardParam
   const int64_t t = t0 + tid;
   if (t < p.N) {
     int id[kMaxK];
-    load_ids<kMaxK>(p.topk, t, K, id);
-    store_ids<kMaxK>(p.topk_out, t, K, id);
+    load_ids<kMaxK>(p.topk, t, K, vec4, id);
+    store_ids<kMaxK>(p.topk_out, t, K, vec4, id);
     const int first = first_bad_k<kMaxK>(id, K, E);
     if (first >= 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | static_cast<unsigned>(first));
   }
   __syncthreads();
   if (sh_bad == ULLONG_MAX) return;
-  for (int64_t u = tid; u < t0; u += kGuardThreads) {  // the error path only
+  // The error path only; it stops once any thread found an earlier bad token (garbage routing: no N^2 rescan).
+  for (int64_t u = tid; u < t0 && !*static_cast<volatile int*>(&sh_earlier); u += kGuardThreads) {
     int id[kMaxK];
-    load_ids<kMaxK>(p.topk, u, K, id);
+    load_ids<kMaxK>(p.topk, u, K, vec4, id);
     if (first_bad_k<kMaxK>(id, K, E) >= 0) sh_earlier = 1;
   }
   __syncthreads();
@@ -127,7 +129,9 @@ __global__ void records_kernel(const EpGuardParams p) {
 template <int kMaxK>
 cudaError_t launch(const EpGuardParams& p, cudaStream_t stream) {
   const int64_t grid = p.N > 0 ? (p.N + kGuardThreads - 1) / kGuardThreads : 1;  // one CTA copies the token
-  guard_kernel<kMaxK><<<static_cast<unsigned>(grid), kGuardThreads, 0, stream>>>(p);
+  const bool vec4 = p.K % 4 == 0 && (reinterpret_cast<uintptr_t>(p.topk) | reinterpret_cast<uintptr_t>(p.topk_out)) %
+                                            16 == 0;
+  guard_kernel<kMaxK><<<static_cast<unsigned>(grid), kGuardThreads, 0, stream>>>(p, vec4);
   return cudaGetLastError();
 }
 
