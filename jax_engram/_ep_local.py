@@ -52,11 +52,11 @@ import numpy as np
 
 from jax_engram import _call, _ep_flat
 from jax_engram._ep_guard import applies, guard_call
+from jax_engram._ep_types import LOCAL_LAYOUT_MAX_ENTRIES
 
-# Expand layouts of at most this many (token, k) entries rank each entry among its expert's by comparing it with
-# every other entry (n^2 compares in one fused reduction), larger ones by a stable sort: at a few thousand entries
-# the compare is one short kernel where the sort is several.
-_RANK_BY_COMPARE = 2048
+# Expand layouts of at most this many (token, k) entries come from one native call (jax_engram_ep_local_layout: the
+# whole layout, a few kernels of XLA's in one), larger ones from a stable sort by expert here.
+_NATIVE_LAYOUT_MAX_ENTRIES = LOCAL_LAYOUT_MAX_ENTRIES
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -117,6 +117,8 @@ def _routing(cfg, topk_idx):
     """The layout of a fresh dispatch at one rank: the handle's arrays, the source token of every receive row
     (``N`` = none) and, expand, the source (token, k) entry ``t*K + k`` of every row (``N*K`` = none)."""
     N, K = topk_idx.shape
+    if cfg.expand and 0 < N * K <= _NATIVE_LAYOUT_MAX_ENTRIES:
+        return _native_expand_routing(cfg, topk_idx)
     M, E, rows = cfg.max_tokens_per_rank, cfg.num_experts, cfg.rows
     i32 = jnp.int32
     idx = topk_idx.astype(i32)
@@ -131,20 +133,17 @@ def _routing(cfg, topk_idx):
     count, aligned, start = _counts(cfg, valid, idx)
 
     if cfg.expand:
-        # entry (t, k) of expert e goes to row start[e] + its rank among e's entries in (token, k) order
+        # entry (t, k) of expert e goes to row start[e] + its rank among e's entries in (token, k) order: its
+        # position after a stable sort by expert minus its expert's first position
         n = N * K
         key = jnp.where(valid, idx, E).reshape(-1)                               # [N*K], E = none
         j = jnp.arange(n, dtype=i32)
-        if n <= _RANK_BY_COMPARE:  # a few thousand entries: one fused compare-and-count, no sort
-            rank = jnp.sum((key[None, :] == key[:, None]) & (j[None, :] < j[:, None]), axis=1, dtype=i32)
-            exp_flat = jnp.where(key < E, start[jnp.minimum(key, E - 1)] + rank, -1)
-        else:  # a stable sort by expert: an entry's sorted position minus its expert's first position
-            order = jnp.argsort(key, stable=True).astype(i32)
-            skey = key[order]
-            first = start if cfg.expert_alignment == 1 else jnp.cumsum(count, dtype=i32) - count  # unaligned
-            e = jnp.minimum(skey, E - 1)
-            row_sorted = jnp.where(skey < E, start[e] + j - first[e], -1)
-            exp_flat = jnp.full((n,), -1, i32).at[order].set(row_sorted, unique_indices=True)
+        order = jnp.argsort(key, stable=True).astype(i32)
+        skey = key[order]
+        first = start if cfg.expert_alignment == 1 else jnp.cumsum(count, dtype=i32) - count  # unaligned
+        e = jnp.minimum(skey, E - 1)
+        row_sorted = jnp.where(skey < E, start[e] + j - first[e], -1)
+        exp_flat = jnp.full((n,), -1, i32).at[order].set(row_sorted, unique_indices=True)
         exp_row = exp_flat.reshape(N, K)
         src_entry = jnp.full((rows,), n, i32).at[jnp.where(exp_flat >= 0, exp_flat, rows)].set(j, mode="drop")
         src_tok = jnp.where(src_entry < N * K, src_entry // K, N)
@@ -162,6 +161,21 @@ def _routing(cfg, topk_idx):
     meta = jnp.where((tok_of_row < N)[:, None], _take_rows(per_tok, tok_of_row), -1)
     handle = (recv_topk, num_recv[None], psum_expert, count, meta, dst_row, num_recv, aligned)
     return handle, src_tok, src_entry, (exp_row if cfg.expand else None)
+
+
+def _native_expand_routing(cfg, topk_idx):
+    """``_routing`` of an expand layout of at most ``_NATIVE_LAYOUT_MAX_ENTRIES`` entries, in one native call
+    (``jax_engram_ep_local_layout``) that computes exactly the arrays the sort above does."""
+    N, K = topk_idx.shape
+    M, E, rows = cfg.max_tokens_per_rank, cfg.num_experts, cfg.rows
+    i32 = jnp.int32
+    t = topk_idx.astype(i32)
+    shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
+    (exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row, num_recv1) = _call.call(
+        cfg.ctx, "jax_engram_ep_local_layout", [_call.like(t, s, i32) for s in shapes], t,
+        expert_alignment=cfg.expert_alignment)
+    handle = (jnp.full((0, K), -1, i32), num_recv1, psum_expert, count, meta, dst_row, num_recv1[0], aligned)
+    return handle, src_tok, src_entry, exp_row
 
 
 def _replay(cfg, meta, psum_rank):

@@ -26,6 +26,7 @@ _layout = _ffi.native("cpu")
 MAX_TOPK: int = _layout.ep_limits["max_topk"]
 MAX_LOCAL_EXPERTS: int = _layout.ep_limits["max_local_experts"]
 MAX_EXPERTS: int = _layout.ep_limits["max_experts"]
+LOCAL_LAYOUT_MAX_ENTRIES: int = _layout.ep_limits["local_layout_max_entries"]  # one-rank expand layouts natively
 BAD_DUPLICATE_EXPERT: int = _layout.ep_bad_kinds["duplicate_expert"]  # EpBadKind of a routing record
 BAD_EXPERT_RANGE: int = _layout.ep_bad_kinds["expert_range"]
 

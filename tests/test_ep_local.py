@@ -150,13 +150,13 @@ def _compare_handle(a, b, c, token_ok, tag):
           f"{tag} handle.recv_src_metadata", token_ok)
 
 
-@pytest.mark.parametrize("ranking", ["compare", "sort"])
+@pytest.mark.parametrize("ranking", ["native", "sort"])
 def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypatch):
-    """``ranking``: how the expand layout ranks the entries of an expert (_ep_local._RANK_BY_COMPARE): these cases
-    are small enough for the compare; "sort" forces the stable sort that larger layouts take."""
+    """``ranking``: how the expand layout is computed (_ep_local._NATIVE_LAYOUT_MAX_ENTRIES): these cases are small
+    enough for the native layout call; "sort" forces the stable sort in JAX that larger layouts take."""
     from jax_engram import _ep_local
     if ranking == "sort":
-        monkeypatch.setattr(_ep_local, "_RANK_BY_COMPARE", 0)
+        monkeypatch.setattr(_ep_local, "_NATIVE_LAYOUT_MAX_ENTRIES", 0)
     mesh, local, native = contexts
     print(f"test_ep_local seed {SEED} (replay: JAX_ENGRAM_EP_LOCAL_SEED={SEED})")
     rng = np.random.default_rng(SEED)
@@ -209,7 +209,42 @@ def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypat
     assert ran == CASES
 
 
-def test_one_rank_path_calls_only_its_guards_and_scatter_and_takes_no_region(contexts):
+# (N, K, E, expert_alignment, M): the native layout's extremes (jax_engram_ep_local_layout; CUDA ep_local.cu): every
+# entry, token and expert its shared memory holds (top-1), top-32 of the most experts one rank has, a wide alignment and
+# M > N, the bench's T = 128 shape, one entry
+_LAYOUT_LIMITS = [(2048, 1, 256, 1, 2048), (64, 32, 256, 4, 64), (256, 8, 256, 128, 300), (128, 8, 256, 1, 128),
+                  (1, 1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("N,K,E,A,M", _LAYOUT_LIMITS)
+def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, monkeypatch):
+    """The layout call against the stable sort of larger layouts (which the seeded cases compare with the
+    reference), every handle array and receive array bit for bit, at the sizes where the kernel's limits are."""
+    from jax_engram import _ep_local
+    mesh, local, _ = contexts
+    rng = np.random.default_rng(N * 7919 + K * 131 + E)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int32)
+    idx[rng.random((N, K)) < 0.25] = -1
+    x = jnp.asarray(rng.standard_normal((N, 8)).astype(np.float32)).astype(jnp.bfloat16)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    kw = dict(ctx=local, num_experts=E, max_tokens_per_rank=M, expand=True, expert_alignment=A, zero_padding=True)
+
+    def run():
+        f = jax.jit(jax.shard_map(lambda x, i, w: je.dispatch(x, i, w, **kw), mesh=mesh, in_specs=P(),
+                                  out_specs=P(), check_vma=False))
+        return jax.tree.map(np.asarray, f(x, idx, w))
+
+    assert 0 < N * K <= _ep_local._NATIVE_LAYOUT_MAX_ENTRIES
+    native = run()
+    monkeypatch.setattr(_ep_local, "_NATIVE_LAYOUT_MAX_ENTRIES", 0)
+    sort = run()
+    la, lb = jax.tree.leaves(native), jax.tree.leaves(sort)
+    assert len(la) == len(lb) and la
+    for i, (a, b) in enumerate(zip(la, lb)):
+        _same(a, b, f"N={N} K={K} E={E} A={A} M={M}: leaf {i}")
+
+
+def test_one_rank_path_calls_only_its_guards_layout_and_scatter_and_takes_no_region(contexts):
     mesh, local, native = contexts
     N, H, K, E = 16, 16, 4, 8
 
@@ -226,9 +261,10 @@ def test_one_rank_path_calls_only_its_guards_and_scatter_and_takes_no_region(con
     hlo = program(local).lower(*args).as_text()
     out, _ = program(local)(*args)
     targets = sorted(set(re.findall(r"custom_call @(jax_engram_\w+)", hlo)))
-    # the guards and, expand, the row scatter: no EP kernel
-    assert targets == ["jax_engram_ep_guard", "jax_engram_ep_local_scatter"], targets
+    # the guards and, expand, the layout and the row scatter: no EP kernel
+    assert targets == ["jax_engram_ep_guard", "jax_engram_ep_local_layout", "jax_engram_ep_local_scatter"], targets
     assert hlo.count("@jax_engram_ep_guard(") == 2 and hlo.count("@jax_engram_ep_local_scatter(") == 1, hlo
+    assert hlo.count("@jax_engram_ep_local_layout(") == 1, hlo
     assert local._regions == regions
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((N, H), K, np.float32))
     assert "jax_engram_ep_dispatch" in program(native).lower(*args).as_text()  # the switch reaches the kernels

@@ -205,6 +205,29 @@ ffi::Error EpLocalScatterCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer d
   return ffi::Error::Success();
 }
 
+// The one-rank local path's expand layout (kernels/cpu/ep.cc ep_local_layout): stateless, after the guard.
+ffi::Error EpLocalLayoutCpu(int32_t ordinal, ffi::AnyBuffer topk, ffi::Result<ffi::AnyBuffer> exp_row,
+                            ffi::Result<ffi::AnyBuffer> src_entry, ffi::Result<ffi::AnyBuffer> src_tok,
+                            ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> aligned,
+                            ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> meta,
+                            ffi::Result<ffi::AnyBuffer> dst_row, ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id,
+                            int64_t alignment) {
+  (void)ordinal;
+  (void)ctx_id;
+  LocalLayoutShape sh;
+  JE_CHECK(check_local_layout(kOpEpDispatch, topk, *exp_row, *src_entry, *src_tok, *count, *aligned, *psum_expert,
+                              *meta, *dst_row, *num_recv, alignment, &sh));
+  const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
+  cpu::EpLocalLayoutArgs a;
+  a.topk = static_cast<const int32_t*>(topk.untyped_data());
+  a.N = sh.N, a.K = sh.K, a.E = sh.E, a.A = alignment, a.M = sh.M, a.rows = sh.rows;
+  a.exp_row = i32(exp_row), a.src_entry = i32(src_entry), a.src_tok = i32(src_tok), a.count = i32(count);
+  a.aligned = i32(aligned), a.psum_expert = i32(psum_expert), a.meta = i32(meta), a.dst_row = i32(dst_row);
+  a.num_recv = i32(num_recv);
+  cpu::ep_local_layout(a);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Context arguments of every handler here: the device ordinal.
@@ -221,11 +244,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCpu, EpGuardCpu,
                               bind_ep_guard(cpu_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCpu, EpLocalScatterCpu,
                               bind_ep_local_scatter(cpu_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCpu, EpLocalLayoutCpu,
+                              bind_ep_local_layout(cpu_context()));
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCpu));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCpu));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCpu));
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCpu));
 static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCpu));
+static HandlerRegistrar reg_local_layout("jax_engram_ep_local_layout", reinterpret_cast<void*>(JeEpLocalLayoutCpu));
 
 }  // namespace jax_engram

@@ -362,6 +362,33 @@ ffi::Error EpLocalScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// The one-rank local path's expand layout (kernels/cuda/ep_local.cu): stateless like the row scatter, after the
+// guard that checked the context and the routing.
+ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk,
+                             ffi::Result<ffi::AnyBuffer> exp_row, ffi::Result<ffi::AnyBuffer> src_entry,
+                             ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
+                             ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
+                             ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
+                             ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
+  (void)ctx_id;
+  LocalLayoutShape sh;
+  JE_CHECK(check_local_layout(kOpEpDispatch, topk, *exp_row, *src_entry, *src_tok, *count, *aligned, *psum_expert,
+                              *meta, *dst_row, *num_recv, alignment, &sh));
+  const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
+  EpLocalLayoutParams p;
+  p.topk = static_cast<const int32_t*>(topk.untyped_data());
+  p.N = static_cast<int32_t>(sh.N), p.K = static_cast<int32_t>(sh.K), p.E = static_cast<int32_t>(sh.E);
+  p.A = static_cast<int32_t>(alignment), p.M = static_cast<int32_t>(sh.M), p.rows = static_cast<int32_t>(sh.rows);
+  p.exp_row = i32(exp_row), p.src_entry = i32(src_entry), p.src_tok = i32(src_tok), p.count = i32(count);
+  p.aligned = i32(aligned), p.psum_expert = i32(psum_expert), p.meta = i32(meta), p.dst_row = i32(dst_row);
+  p.num_recv = i32(num_recv);
+  CudaDeviceGuard g(ordinal);
+  if (g.status() != cudaSuccess) return cuda_failure(kOpEpDispatch, "cudaSetDevice", g.status());
+  const cudaError_t e = launch_ep_local_layout(p, stream);
+  if (e != cudaSuccess) return cuda_failure(kOpEpDispatch, "launching the local layout kernel", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 int ep_dispatch_copy_pieces(int64_t ctx_id, int32_t ordinal, int64_t M, int64_t K, int64_t E, int64_t x_bytes,
@@ -399,6 +426,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardGraphCuda, EpGuardCuda<true>,
 // One target: the scatter keeps no state, so XLA may capture it in a CUDA graph whatever the context's setting.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCuda, EpLocalScatterCuda,
                               bind_ep_local_scatter(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCuda, EpLocalLayoutCuda,
+                              bind_ep_local_layout(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
@@ -410,5 +439,6 @@ static HandlerRegistrar reg_combine_g("jax_engram_ep_combine_graph", reinterpret
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCuda));
 static HandlerRegistrar reg_guard_g("jax_engram_ep_guard_graph", reinterpret_cast<void*>(JeEpGuardGraphCuda));
 static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCuda));
+static HandlerRegistrar reg_local_layout("jax_engram_ep_local_layout", reinterpret_cast<void*>(JeEpLocalLayoutCuda));
 
 }  // namespace jax_engram

@@ -152,4 +152,25 @@ auto bind_ep_local_scatter(B&& b) {
       .template Attr<int64_t>("ctx_id");
 }
 
+
+// The one-rank local path's expand layout (kernels ep_local_layout): topk [N, K] (the guard's checked copy) ->
+// exp_row [N, K], src_entry [rows], src_tok [rows], count [E], aligned [E], psum_expert [E], meta [M, K + 2],
+// dst_row [N, 1], num_recv [1], all int32. Stateless, like the row scatter.
+template <typename B>
+auto bind_ep_local_layout(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()  // topk
+      .template Ret<ffi::AnyBuffer>()  // exp_row
+      .template Ret<ffi::AnyBuffer>()  // src_entry
+      .template Ret<ffi::AnyBuffer>()  // src_tok
+      .template Ret<ffi::AnyBuffer>()  // count
+      .template Ret<ffi::AnyBuffer>()  // aligned
+      .template Ret<ffi::AnyBuffer>()  // psum_expert
+      .template Ret<ffi::AnyBuffer>()  // meta
+      .template Ret<ffi::AnyBuffer>()  // dst_row
+      .template Ret<ffi::AnyBuffer>()  // num_recv
+      .template Attr<int64_t>("ctx_id")
+      .template Attr<int64_t>("expert_alignment");
+}
+
 }  // namespace jax_engram

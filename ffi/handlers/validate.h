@@ -325,5 +325,49 @@ inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const
   return ffi::Error::Success();
 }
 
+// The local expand layout (bind_ep_local_layout): topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
+// [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows; every output int32 of its documented shape. Returns the sizes.
+struct LocalLayoutShape {
+  int64_t N = 0, K = 0, E = 0, M = 0, rows = 0;
+};
+inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& topk, const ffi::AnyBuffer& exp_row,
+                                     const ffi::AnyBuffer& src_entry, const ffi::AnyBuffer& src_tok,
+                                     const ffi::AnyBuffer& count, const ffi::AnyBuffer& aligned,
+                                     const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& meta,
+                                     const ffi::AnyBuffer& dst_row, const ffi::AnyBuffer& num_recv, int64_t alignment,
+                                     LocalLayoutShape* shape) {
+  if (topk.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk));
+  const int64_t N = topk.dimensions()[0], K = topk.dimensions()[1];
+  JE_CHECK(check(op, "topk_idx", topk, {N, K}, {DT::S32}));
+  if (N * K < 1 || N * K > kEpLocalLayoutMaxEntries || K > kEpMaxTopk)
+    return op_error(op, "the local layout takes 1 to " + std::to_string(kEpLocalLayoutMaxEntries) +
+                            " entries of top-k <= " + std::to_string(kEpMaxTopk) + ", got " + shape_str(topk));
+  if (count.dimensions().size() != 1) return op_error(op, "the counts must be 1-D [E], got " + shape_str(count));
+  const int64_t E = count.dimensions()[0];
+  if (E < 1 || E > kEpMaxLocalExperts)
+    return op_error(op, "num_experts=" + std::to_string(E) + " must be in [1, " + std::to_string(kEpMaxLocalExperts) +
+                            "] at one rank");
+  if (meta.dimensions().size() != 2) return op_error(op, "the metadata must be 2-D [M, K + 2], got " + shape_str(meta));
+  const int64_t M = meta.dimensions()[0];
+  if (M < N) return op_error(op, "max_tokens_per_rank=" + std::to_string(M) + " is below the " + std::to_string(N) +
+                                     " tokens");
+  if (src_entry.dimensions().size() != 1)
+    return op_error(op, "the source entries must be 1-D [rows], got " + shape_str(src_entry));
+  const int64_t rows = src_entry.dimensions()[0];
+  if (rows >= (int64_t{1} << 31)) return op_error(op, "the local layout takes fewer than 2^31 rows");
+  if (alignment < 1) return op_error(op, "expert_alignment=" + std::to_string(alignment) + " must be >= 1");
+  JE_CHECK(check(op, "the receive rows", exp_row, {N, K}, {DT::S32}));
+  JE_CHECK(check(op, "the source entries", src_entry, {rows}, {DT::S32}));
+  JE_CHECK(check(op, "the source tokens", src_tok, {rows}, {DT::S32}));
+  JE_CHECK(check(op, "the counts", count, {E}, {DT::S32}));
+  JE_CHECK(check(op, "the aligned counts", aligned, {E}, {DT::S32}));
+  JE_CHECK(check(op, "psum_num_recv_tokens_per_expert", psum_expert, {E}, {DT::S32}));
+  JE_CHECK(check(op, "recv_src_metadata", meta, {M, K + 2}, {DT::S32}));
+  JE_CHECK(check(op, "dst_row", dst_row, {N, 1}, {DT::S32}));
+  JE_CHECK(check(op, "num_recv_tokens", num_recv, {1}, {DT::S32}));
+  *shape = LocalLayoutShape{N, K, E, M, rows};
+  return ffi::Error::Success();
+}
+
 }  // namespace validate
 }  // namespace jax_engram

@@ -83,6 +83,7 @@ void bind_runtime(nb::module_& m, const char* platform) {
     lim["max_experts"] = kEpMaxExperts;
     lim["max_copy_pieces"] = kEpCeMaxPieces;
     lim["max_stage_warps"] = kEpMaxStageWarps;
+    lim["local_layout_max_entries"] = kEpLocalLayoutMaxEntries;
     m.attr("ep_limits") = lim;
     nb::dict bad;  // EpBadKind: the kinds of a routing record (the guard's records = 1)
     bad["duplicate_expert"] = static_cast<int>(kEpBadDuplicateExpert);

@@ -104,6 +104,52 @@ void ep_local_scatter(const uint8_t* x, const int32_t* dest, const int32_t* src,
   }
 }
 
+void ep_local_layout(const EpLocalLayoutArgs& a) {
+  const int64_t N = a.N, K = a.K, E = a.E, M = a.M, rows = a.rows, n = N * K, W = K + 2;
+  const auto valid = [E](int32_t id) { return id >= 0 && id < E; };
+  std::vector<int32_t> start(static_cast<size_t>(E)), rank(static_cast<size_t>(E), 0);
+  std::fill(a.count, a.count + E, 0);
+  for (int64_t j = 0; j < n; ++j)
+    if (valid(a.topk[j])) ++a.count[a.topk[j]];
+  int32_t s = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    start[e] = s;
+    a.aligned[e] = static_cast<int32_t>(ep_align(a.count[e], a.A));
+    a.psum_expert[e] = s + a.count[e];
+    s += a.aligned[e];
+  }
+  std::fill(a.src_entry, a.src_entry + rows, static_cast<int32_t>(n));
+  std::fill(a.src_tok, a.src_tok + rows, static_cast<int32_t>(N));
+  int32_t num = 0;
+  for (int64_t t = 0; t < N; ++t) {
+    int32_t master = -1;
+    for (int64_t k = 0; k < K; ++k) {  // (t, k) order: an entry's rank counts the earlier entries of its expert
+      const int32_t id = a.topk[t * K + k];
+      int32_t row = -1;
+      if (valid(id)) {
+        row = start[id] + rank[id]++;
+        master = static_cast<int32_t>(k);
+        if (row < rows) {
+          a.src_entry[row] = static_cast<int32_t>(t * K + k);
+          a.src_tok[row] = static_cast<int32_t>(t);
+        }
+      }
+      a.exp_row[t * K + k] = row;
+    }
+    a.dst_row[t] = master >= 0 ? num : -1;
+    if (master < 0) continue;
+    if (num < M) {
+      int32_t* m = a.meta + num * W;
+      m[0] = static_cast<int32_t>(t);
+      m[1] = master;
+      std::copy(a.exp_row + t * K, a.exp_row + (t + 1) * K, m + 2);
+    }
+    ++num;
+  }
+  if (num < M) std::fill(a.meta + num * W, a.meta + M * W, -1);
+  *a.num_recv = num;
+}
+
 bool ep_guard(Member& m, const int32_t* topk, int64_t N, int64_t K, int64_t E) {
   int64_t detail = 0, value = 0;
   if (!first_bad_route(topk, N, K, E, &detail, &value)) return true;

@@ -80,6 +80,26 @@ struct EpCombineArgs {
 // zero row (in a layout made from the routing the two always agree). Rows move as bytes.
 void ep_local_scatter(const uint8_t* x, const int32_t* dest, const int32_t* src, uint8_t* out, int64_t N, int64_t K,
                       int64_t rows, int64_t row_bytes);
+// The one-rank local path's expand layout of a checked routing (jax_engram/_ep_local.py; the CUDA kernel:
+// cuda/ep_local.cu), N * K <= kEpLocalLayoutMaxEntries: entry (t, k) with a valid expert e (ids outside [0, E) are
+// none) goes to receive row start[e] + its rank among e's entries in (t, k) order, start[e] = the sum of
+// align(count, A) over the experts before e. Writes every handle array of that layout (ep_layout.h "recv_src_metadata";
+// rows and tokens past the real counts: -1) and, per receive row, its source entry t * K + k (N * K: none) and token
+// (N: none).
+struct EpLocalLayoutArgs {
+  const int32_t* topk = nullptr;   // [N, K]
+  int64_t N = 0, K = 0, E = 0, A = 1, M = 0, rows = 0;
+  int32_t* exp_row = nullptr;      // [N, K]: the receive row of entry (t, k), -1: none
+  int32_t* src_entry = nullptr;    // [rows]
+  int32_t* src_tok = nullptr;      // [rows]
+  int32_t* count = nullptr;        // [E]: entries per expert
+  int32_t* aligned = nullptr;      // [E]: align(count, A)
+  int32_t* psum_expert = nullptr;  // [E]: start + count
+  int32_t* meta = nullptr;         // [M, K + 2]: [t, master k, exp_row[t, :]] per receive token, -1 past them
+  int32_t* dst_row = nullptr;      // [N]: the token's receive row (tokens with an expert, in order), -1: none
+  int32_t* num_recv = nullptr;     // [1]: tokens with an expert
+};
+void ep_local_layout(const EpLocalLayoutArgs& a);
 // The routing check of a dispatch without the dispatch (the one-rank local path's guard, jax_engram/_ep_local.py):
 // the first bad entry of topk [N, K] (an id outside [-1, E), a valid id listed twice in a token), found in the same
 // order as ep_dispatch finds it, is recorded in the member's ErrorRecord as ep_dispatch records it; returns false

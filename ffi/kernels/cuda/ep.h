@@ -205,6 +205,26 @@ struct EpLocalScatterParams {
 // One launch on `stream`: N + ceil(rows / 8) CTAs (see ep_local.cu). No host sync.
 cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream);
 
+// The one-rank local path's expand layout of a checked routing (ep_local.cu; cpu::ep_local_layout is the rule, bit
+// for bit), N * K in [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N.
+struct EpLocalLayoutParams {
+  const int32_t* topk = nullptr;   // [N, K]
+  int32_t N = 0, K = 0, E = 0, A = 1, M = 0, rows = 0;
+  int32_t* exp_row = nullptr;      // [N, K]
+  int32_t* src_entry = nullptr;    // [rows]
+  int32_t* src_tok = nullptr;      // [rows]
+  int32_t* count = nullptr;        // [E]
+  int32_t* aligned = nullptr;      // [E]
+  int32_t* psum_expert = nullptr;  // [E]
+  int32_t* meta = nullptr;         // [M, K + 2]
+  int32_t* dst_row = nullptr;      // [N]
+  int32_t* num_recv = nullptr;     // [1]
+};
+
+// One launch on `stream`: CTAs that each compute the whole layout in shared memory (counts, scans, a stable block
+// radix sort of the entries by expert) and write their share of the outputs (see ep_local.cu). No host sync.
+cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream);
+
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
 // `ce`: copy-engine rows (the peers' layout counters too); *peer_offset: where those start.
 int64_t ep_dispatch_smem_bytes(int R, int E, bool ce, int* layout_warps, int* tables_offset, int* peer_offset = nullptr);

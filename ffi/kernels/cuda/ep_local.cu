@@ -1,4 +1,14 @@
-// The one-rank local path's row scatter (jax_engram/_ep_local.py, expand layout; ep.h EpLocalScatterParams): every
+// The one-rank local path's kernels (jax_engram/_ep_local.py, expand layout): the layout and the row scatter.
+//
+// The layout (ep.h EpLocalLayoutParams; the rule is cpu::ep_local_layout): at most kEpLocalLayoutMaxEntries entries,
+// so every CTA holds the whole layout in shared memory: counts per expert (shared atomics), the aligned and unaligned
+// segment starts (block scans), a stable block radix sort of the entries by expert (an entry's rank among its
+// expert's entries is its sorted position minus the expert's unaligned start), and the receive token order (a scan of
+// the tokens that have an expert). Each CTA then writes its share of one index space over every output, each element
+// computed from shared memory alone, so no CTA waits for another and one launch replaces the dozen small kernels
+// (scans, scatters, a sort) XLA makes of the same layout.
+//
+// The row scatter (ep.h EpLocalScatterParams): every
 // token's row is read from HBM once and written to each of its receive rows, and the rows no entry fills are zeroed.
 // A gather of the receive rows (one read of x per written row) reads each token's row K times, and x is larger than
 // L2 at the shapes where bandwidth matters, so the scatter moves (1 + K) rows per token where the gather moves 2K.
@@ -10,6 +20,9 @@
 // hold (a handle's metadata rebuilds them; a layout made from the routing always has them agree).
 #include <cstdint>
 
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+
 #include "kernels/cuda/ep.h"
 
 namespace jax_engram {
@@ -18,6 +31,162 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kZeroRowsPerCta = 8;
 
+// ------------------------------------------------------------------------------------------------------- layout
+constexpr int kLayoutThreads = 512;
+constexpr int kLayoutItems = kEpLocalLayoutMaxEntries / kLayoutThreads;  // entries (and scan items) per thread
+static_assert(kLayoutThreads * kLayoutItems == kEpLocalLayoutMaxEntries, "the sort holds every entry");
+static_assert(kEpMaxLocalExperts <= kEpLocalLayoutMaxEntries, "the scans hold every expert (of one rank)");
+constexpr int64_t kLayoutOutputsPerCta = 8192;
+constexpr int64_t kLayoutMaxCtas = 64;
+using LayoutSort = cub::BlockRadixSort<int32_t, kLayoutThreads, kLayoutItems, int32_t>;
+using LayoutScan = cub::BlockScan<int32_t, kLayoutThreads>;
+
+// Dynamic shared memory of a launch: the per-expert arrays, then the sort's storage, which the per-entry and
+// per-token arrays reuse once the sort is done.
+__host__ __device__ constexpr size_t layout_head_bytes(int E) { return (3 * static_cast<size_t>(E) * 4 + 15) / 16 * 16; }
+constexpr size_t layout_smem_bytes(int E, int n, int N) {
+  return layout_head_bytes(E) + ((2 * static_cast<size_t>(n) + 2 * static_cast<size_t>(N)) * 4 >
+                                         sizeof(LayoutSort::TempStorage)
+                                     ? (2 * static_cast<size_t>(n) + 2 * static_cast<size_t>(N)) * 4
+                                     : sizeof(LayoutSort::TempStorage));
+}
+static_assert(layout_smem_bytes(kEpMaxLocalExperts, kEpLocalLayoutMaxEntries, kEpLocalLayoutMaxEntries) +
+                      sizeof(LayoutScan::TempStorage) <= 48 * 1024,
+              "the largest layout fits the default shared memory of a CTA");
+
+// The exclusive prefix sum of a[0, n) (shared memory, n <= kEpLocalLayoutMaxEntries) in place; returns the total.
+// Every thread calls it after a barrier that follows the last write of a.
+__device__ int32_t layout_scan(int32_t* a, int n, LayoutScan::TempStorage& tmp) {
+  int32_t v[kLayoutItems];
+  const int base = threadIdx.x * kLayoutItems;
+  for (int i = 0; i < kLayoutItems; ++i) v[i] = base + i < n ? a[base + i] : 0;
+  int32_t total;
+  LayoutScan(tmp).ExclusiveSum(v, v, total);
+  for (int i = 0; i < kLayoutItems; ++i)
+    if (base + i < n) a[base + i] = v[i];
+  __syncthreads();  // a is complete, and tmp free for the next scan
+  return total;
+}
+
+__global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLocalLayoutParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ LayoutScan::TempStorage scan_tmp;
+  const int N = p.N, K = p.K, E = p.E, n = N * K, W = K + 2, tid = threadIdx.x;
+  int32_t* cnt = reinterpret_cast<int32_t*>(smem);  // [E] entries per expert
+  int32_t* start = cnt + E;                         // [E] aligned segment starts: the first receive row of e
+  int32_t* first = start + E;                       // [E] unaligned starts: e's first position in the sorted order
+  unsigned char* rest = smem + layout_head_bytes(E);
+  auto& sort_tmp = *reinterpret_cast<LayoutSort::TempStorage*>(rest);
+  int32_t* sorted = reinterpret_cast<int32_t*>(rest);  // [n] the entry at each sorted position (after the sort)
+  int32_t* row_of = sorted + n;                         // [n] the receive row of each entry, -1: none
+  int32_t* pos = row_of + n;                            // [N] the receive token row of each token (exclusive scan)
+  int32_t* tok = pos + N;                               // [N] the token of each receive token row < num
+
+  for (int e = tid; e < E; e += kLayoutThreads) cnt[e] = 0;
+  __syncthreads();
+  // Sort keys: the expert of an entry, E for none, E + 1 past the last entry (so the n entries sort first); the sort
+  // reads only the bits those take. Blocked: thread tid holds entries tid * kLayoutItems + i.
+  int32_t key[kLayoutItems], val[kLayoutItems];
+  for (int i = 0; i < kLayoutItems; ++i) {
+    const int j = tid * kLayoutItems + i;
+    int32_t k = E + 1;
+    if (j < n) {
+      const int32_t id = p.topk[j];
+      k = id >= 0 && id < E ? id : E;  // an id outside [0, E) is no entry (the guard has reported it)
+      if (k < E) atomicAdd(&cnt[k], 1);
+    }
+    key[i] = k;
+    val[i] = j;
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kLayoutThreads) {
+    start[e] = static_cast<int32_t>(ep_align(cnt[e], p.A));
+    first[e] = cnt[e];
+  }
+  __syncthreads();
+  layout_scan(start, E, scan_tmp);
+  layout_scan(first, E, scan_tmp);
+  LayoutSort(sort_tmp).Sort(key, val, 0, 32 - __clz(E + 1));  // stable: an expert's entries keep their (t, k) order
+  __syncthreads();                                          // the sort's storage becomes sorted / row_of / pos / tok
+  for (int i = 0; i < kLayoutItems; ++i) {
+    const int q = tid * kLayoutItems + i;  // sorted position
+    if (q >= n) continue;
+    sorted[q] = val[i];
+    row_of[val[i]] = key[i] < E ? start[key[i]] + q - first[key[i]] : -1;
+  }
+  __syncthreads();
+  for (int t = tid; t < N; t += kLayoutThreads) {
+    int has = 0;
+    for (int k = 0; k < K; ++k) has |= row_of[t * K + k] >= 0;
+    pos[t] = has;
+  }
+  __syncthreads();
+  const int32_t num = layout_scan(pos, N, scan_tmp);
+  const auto has_row = [&](int t) { return (t + 1 < N ? pos[t + 1] : num) > pos[t]; };
+  for (int t = tid; t < N; t += kLayoutThreads)
+    if (has_row(t)) tok[pos[t]] = t;
+  __syncthreads();
+
+  // This CTA's share of the outputs, in the order exp_row [n], the per-expert arrays [E], dst_row [N], the rows'
+  // sources [rows], recv_src_metadata [M * W], num_recv [1].
+  const int64_t total = n + E + N + static_cast<int64_t>(p.rows) + static_cast<int64_t>(p.M) * W + 1;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kLayoutThreads + tid; g < total;
+       g += static_cast<int64_t>(gridDim.x) * kLayoutThreads) {
+    int64_t i = g;
+    if (i < n) {
+      p.exp_row[i] = row_of[i];
+      continue;
+    }
+    i -= n;
+    if (i < E) {
+      p.count[i] = cnt[i];
+      p.aligned[i] = static_cast<int32_t>(ep_align(cnt[i], p.A));
+      p.psum_expert[i] = start[i] + cnt[i];
+      continue;
+    }
+    i -= E;
+    if (i < N) {
+      p.dst_row[i] = has_row(static_cast<int>(i)) ? pos[i] : -1;
+      continue;
+    }
+    i -= N;
+    if (i < p.rows) {  // row r is in the segment of the last expert starting at or before it
+      const int32_t r = static_cast<int32_t>(i);
+      int lo = 0, hi = E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (start[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      const int32_t o = r - start[lo];
+      const int32_t j = o < cnt[lo] ? sorted[first[lo] + o] : n;  // past the expert's entries: alignment padding
+      p.src_entry[r] = j;
+      p.src_tok[r] = j < n ? j / K : N;
+      continue;
+    }
+    i -= p.rows;
+    if (i < static_cast<int64_t>(p.M) * W) {
+      const int64_t r = i / W;
+      const int c = static_cast<int>(i % W);
+      int32_t v = -1;
+      if (r < num) {
+        const int t = tok[r];
+        if (c == 0) {
+          v = t;
+        } else if (c == 1) {  // the master position: the last k with an expert
+          for (int k = 0; k < K; ++k)
+            if (row_of[t * K + k] >= 0) v = k;
+        } else {
+          v = row_of[t * K + c - 2];
+        }
+      }
+      p.meta[i] = v;
+      continue;
+    }
+    *p.num_recv = num;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------- scatter
 template <typename V>
 __global__ void __launch_bounds__(kThreads) local_scatter_kernel(const EpLocalScatterParams p) {
   const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(V));
@@ -64,6 +233,20 @@ cudaError_t launch(const EpLocalScatterParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(p.N) * p.K;
+  if (p.K < 1 || p.K > kEpMaxTopk || n < 1 || n > kEpLocalLayoutMaxEntries || p.E < 1 || p.E > kEpMaxLocalExperts ||
+      p.A < 1 || p.M < p.N || p.rows < 0 || !p.topk || !p.exp_row || !p.count || !p.aligned || !p.psum_expert ||
+      !p.meta || !p.dst_row || !p.num_recv || (p.rows > 0 && (!p.src_entry || !p.src_tok)))
+    return cudaErrorInvalidValue;
+  const size_t smem = layout_smem_bytes(p.E, static_cast<int>(n), p.N);
+  const int64_t total = n + p.E + p.N + static_cast<int64_t>(p.rows) + static_cast<int64_t>(p.M) * (p.K + 2) + 1;
+  int64_t grid = (total + kLayoutOutputsPerCta - 1) / kLayoutOutputsPerCta;
+  if (grid > kLayoutMaxCtas) grid = kLayoutMaxCtas;
+  local_layout_kernel<<<static_cast<unsigned>(grid), kLayoutThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream) {
   if (p.K < 0 || p.K > kEpMaxTopk || p.N < 0 || p.rows < 0 || p.row_bytes < 0 ||
