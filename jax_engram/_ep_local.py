@@ -1,10 +1,11 @@
 """The one-rank EP path: dispatch / combine of a flat context of ONE rank as a local permutation (plain JAX and
-one native row scatter).
+two small native calls for the expand layout).
 
 At one rank nothing crosses a link: every token's destination is the rank itself, so dispatch moves x's rows into
-the documented receive layout (non-expand: a gather; expand: a native scatter, ``jax_engram_ep_local_scatter``,
-that reads each token's row once and writes its receive rows) and combine is a gather (non-expand) or a
-gather-and-sum (expand) back. This
+the documented receive layout and combine is a gather (non-expand) or a gather-and-sum (expand) back. Non-expand
+rows are a gather. Expand rows are a native scatter (``jax_engram_ep_local_scatter``) that reads each token's row
+once and writes its receive rows; their layout comes from one native call (``jax_engram_ep_local_layout``) up to
+``_NATIVE_LAYOUT_MAX_ENTRIES`` (token, k) entries, from a stable sort by expert above. This
 module computes exactly the layouts, handle fields and sums of docs/semantics.md ("MoE dispatch", "MoE combine",
 "Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no staging region (the
 context's memory needs do not change), no host synchronisation, no recompilation when counts change.
