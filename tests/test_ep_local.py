@@ -244,6 +244,27 @@ def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, m
         _same(a, b, f"N={N} K={K} E={E} A={A} M={M}: leaf {i}")
 
 
+@pytest.mark.parametrize("alignment,words", [(1 << 31, "expert_alignment=2147483648"),
+                                             (1 << 29, "last row below 2^31")])
+def test_native_layout_refuses_layouts_past_int32(contexts, alignment, words):
+    """The layout call's own check (a caller other than _ep_local could pass these): rows and segment starts are
+    int32 in both kernels, so a layout whose last row reaches 2^31 is refused. (The metadata's own bound needs a
+    buffer of 2^31 entries to reach, too large for a test.)"""
+    from jax_engram import _call
+    mesh, local, _ = contexts
+    N, K, E, M = 2, 3, 8, 4
+    rows = 16
+
+    def body(t):
+        shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
+        return _call.call(local, "jax_engram_ep_local_layout", [_call.like(t, sh, jnp.int32) for sh in shapes], t,
+                          expert_alignment=alignment)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    with pytest.raises(Exception, match=re.escape(words)):
+        jax.block_until_ready(f(np.zeros((N, K), np.int32)))
+
+
 def test_one_rank_path_calls_only_its_guards_layout_and_scatter_and_takes_no_region(contexts):
     mesh, local, native = contexts
     N, H, K, E = 16, 16, 4, 8

@@ -326,7 +326,8 @@ inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const
 }
 
 // The local expand layout (bind_ep_local_layout): topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
-// [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows; every output int32 of its documented shape. Returns the sizes.
+// [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows, metadata entries and layout
+// rows (N * K + (A - 1) * E); every output int32 of its documented shape. Returns the sizes.
 struct LocalLayoutShape {
   int64_t N = 0, K = 0, E = 0, M = 0, rows = 0;
 };
@@ -355,7 +356,14 @@ inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& topk, con
     return op_error(op, "the source entries must be 1-D [rows], got " + shape_str(src_entry));
   const int64_t rows = src_entry.dimensions()[0];
   if (rows >= (int64_t{1} << 31)) return op_error(op, "the local layout takes fewer than 2^31 rows");
-  if (alignment < 1) return op_error(op, "expert_alignment=" + std::to_string(alignment) + " must be >= 1");
+  // Every segment start and receive row is below N * K + (A - 1) * E, which must fit int32 (the kernels' type).
+  if (alignment < 1 || alignment >= (int64_t{1} << 31) || N * K + (alignment - 1) * E >= (int64_t{1} << 31))
+    return op_error(op, "expert_alignment=" + std::to_string(alignment) + " must be >= 1 and keep N * K + (A - 1) * E = " +
+                            "the layout's last row below 2^31 (N * K = " + std::to_string(N * K) + ", E = " +
+                            std::to_string(E) + ")");
+  if (M * (K + 2) >= (int64_t{1} << 31))
+    return op_error(op, "recv_src_metadata [M, K + 2] must have fewer than 2^31 entries, got M = " +
+                            std::to_string(M));
   JE_CHECK(check(op, "the receive rows", exp_row, {N, K}, {DT::S32}));
   JE_CHECK(check(op, "the source entries", src_entry, {rows}, {DT::S32}));
   JE_CHECK(check(op, "the source tokens", src_tok, {rows}, {DT::S32}));
