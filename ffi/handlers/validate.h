@@ -44,7 +44,8 @@ inline std::string shape_str(const ffi::AnyBuffer& b) {
   return s + "]";
 }
 
-// Checks shape (-1 = any extent) and dtype (empty list = any); message names the argument.
+// Checks shape (-1 = any extent) and dtype (empty list = any); message names the argument. Every handler runs
+// several of these per call, so the passing path only compares: the message is built when a check fails.
 inline ffi::Error check(int32_t op, const char* name, const ffi::AnyBuffer& b, std::initializer_list<int64_t> shape,
                  std::initializer_list<DT> dtypes) {
   auto d = b.dimensions();
@@ -54,20 +55,19 @@ inline ffi::Error check(int32_t op, const char* name, const ffi::AnyBuffer& b, s
     if (ok && want >= 0 && d[i] != want) ok = false;
     ++i;
   }
-  std::string want_s = "[";
-  i = 0;
-  for (int64_t w : shape) want_s += (i++ ? "," : "") + (w < 0 ? std::string("?") : std::to_string(w));
-  want_s += "]";
-  if (!ok) return op_error(op, std::string(name) + " must have shape " + want_s + ", got " + shape_str(b));
-  if (dtypes.size()) {
-    bool dt_ok = false;
+  if (!ok) {
+    std::string want_s = "[";
+    i = 0;
+    for (int64_t w : shape) want_s += (i++ ? "," : "") + (w < 0 ? std::string("?") : std::to_string(w));
+    want_s += "]";
+    return op_error(op, std::string(name) + " must have shape " + want_s + ", got " + shape_str(b));
+  }
+  bool dt_ok = dtypes.size() == 0;
+  for (DT t : dtypes) dt_ok |= b.element_type() == t;
+  if (!dt_ok) {
     std::string names;
-    for (DT t : dtypes) {
-      dt_ok |= b.element_type() == t;
-      names += (names.empty() ? "" : " or ") + std::string(dt_name(t));
-    }
-    if (!dt_ok)
-      return op_error(op, std::string(name) + " must be " + names + ", got " + dt_name(b.element_type()));
+    for (DT t : dtypes) names += (names.empty() ? "" : " or ") + std::string(dt_name(t));
+    return op_error(op, std::string(name) + " must be " + names + ", got " + dt_name(b.element_type()));
   }
   return ffi::Error::Success();
 }
