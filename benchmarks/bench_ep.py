@@ -557,7 +557,9 @@ def one_rank_main():
     HBM floor = the bytes a permute must move / the same run's HBM bandwidth (read + write counted: an in-place
     streaming kernel over 1 GiB, _ceilings.local_d2d_ceiling). Bytes per call: dispatch reads the N token rows and writes the received rows (non-expand:
     tokens with an expert; expand: routed (token, k) entries), combine reads those rows and writes N rows.
-    Correctness: our combined_x equals the native path's bit for bit (both layouts), printed per shape."""
+    Correctness: our combined_x equals the native path's bit for bit (both layouts), printed per shape. CUDA: our
+    path is timed a second time on a context with cuda_graphs=True (guards as graph targets: XLA may capture the
+    whole loop), checked the same way."""
     dev = jax.devices()[:1]
     mesh = jax.make_mesh((1,), (AX,), devices=dev)
     platform = dev[0].platform
@@ -578,6 +580,9 @@ def one_rank_main():
 
     ctx = jax_engram.init(mesh, AX)  # the one-rank path (EPConfig.one_rank="local", the default)
     ctx_native = jax_engram.init(mesh, AX, ep_config=jax_engram.EPConfig(one_rank="kernels"))  # the native kernels
+    # CUDA: the one-rank path again with cuda_graphs=True (its guards are graph targets, so XLA may capture the whole
+    # loop into one command buffer); on CPU the option changes nothing, so the variant is left out there
+    ctx_graphs = jax_engram.init(mesh, AX, cuda_graphs=True) if platform != "cpu" else None
     rows = []
     for N, H, K, E in shapes:
         x, tk, w = B.make_moe_inputs(mesh, N, H, K, E, jnp.bfloat16, seed=N + 7)
@@ -601,12 +606,18 @@ def one_rank_main():
         variants = [("ours expand", ours(ctx, True), True), ("ours non-expand", ours(ctx, False), False),
                     ("native expand", ours(ctx_native, True), True),
                     ("native non-expand", ours(ctx_native, False), False), ("plain-JAX permute", permute, True)]
+        if ctx_graphs is not None:
+            variants[2:2] = [("ours expand, cuda_graphs", ours(ctx_graphs, True), True),
+                             ("ours non-expand, cuda_graphs", ours(ctx_graphs, False), False)]
+        by_name = {name: f for name, f, _ in variants}
         one = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AX),) * 3, out_specs=P(AX)))  # noqa: E731
         check = {}
-        for lname, (a, b) in dict(expand=(variants[0][1], variants[2][1]),
-                                  nonexpand=(variants[1][1], variants[3][1])).items():
-            got, want = one(a)(*inputs), one(b)(*inputs)
-            check[lname] = bool(np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)))
+        for layout in ("expand", "non-expand"):
+            want = np.asarray(one(by_name[f"native {layout}"])(*inputs)).view(np.uint16)
+            for name in (f"ours {layout}", f"ours {layout}, cuda_graphs"):
+                if name in by_name:
+                    got = np.asarray(one(by_name[name])(*inputs)).view(np.uint16)
+                    check[name.replace("ours ", "")] = bool(np.array_equal(got, want))
         timed = {}
         for name, f, expand in variants:
             def make(n, f=f):
@@ -617,7 +628,7 @@ def one_rank_main():
             if ARGS.profile:  # PROFILE_CALLS single calls: which kernels the op is made of
                 single = one(f)
                 jax.block_until_ready(single(*inputs))
-                tag = f"{N}x{H}_" + name.replace(" ", "_").replace("-", "_")
+                tag = f"{N}x{H}_" + name.replace(",", "").replace(" ", "_").replace("-", "_")
                 with jax.profiler.trace(os.path.join(ARGS.profile, tag), create_perfetto_trace=True):
                     for _ in range(PROFILE_CALLS):
                         jax.block_until_ready(single(*inputs))
@@ -636,9 +647,14 @@ def one_rank_main():
                 f"{row['bytes'] / 1e6:.1f} MB), {row['vs_permute']:.2f}x vs plain-JAX permute ({base:.1f} us)")
         log(f"config: tokens={N} hidden={H} topk={K} experts={E} | combined_x ours == native bit for bit: {check}")
         results.setdefault("checks", {})[f"{N}x{H} top{K} E{E}"] = check
+        if ctx_graphs is not None:
+            log(f"config: tokens={N} hidden={H} topk={K} experts={E} | cuda_graphs context, EP calls captured so far: "
+                f"{ctx_graphs.graph_captures()}")
         del inputs, x, tk, w
     ctx_native.close()
     ctx.close()
+    if ctx_graphs is not None:
+        ctx_graphs.close()
     t = C.Table([("tokens", "tok"), ("hidden", "hidden"), ("topk", "K"), ("experts", "E"), ("variant", "variant"),
                  ("us", "us/call", ".1f"), ("floor_us", "floor us", ".1f"), ("pct_floor", "% floor", ".0f"),
                  ("vs_permute", "x permute", ".2f")],
