@@ -1018,7 +1018,8 @@ def run_sizes():
         mine = [r for r in rows if r.get("path") == name and r.get("gbps")]
         best = max((r["gbps"] for r in mine), default=None)
         for r in mine:
-            r["pct_own_best"] = min(100.0, 100 * r["gbps"] / best)  # the best row itself: exactly 100, not 100 + ulp
+            # the best row itself: exactly 100 (100 * g / g is 100 +- an ulp for some g)
+            r["pct_own_best"] = 100.0 if r["gbps"] == best else min(100.0, 100 * r["gbps"] / best)
     summary = summarize_sizes(rows, paths, link, ceil)
     return dict(env=info, args=C.shown_args(args), ranks=R,
                 processes=jax.process_count(), ceilings=_strip(ceil), sizes=rows, notes=notes, summary=summary)
