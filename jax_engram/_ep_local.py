@@ -118,8 +118,6 @@ def _routing(cfg, topk_idx):
     """The layout of a fresh dispatch at one rank: the handle's arrays, the source token of every receive row
     (``N`` = none) and, expand, the source (token, k) entry ``t*K + k`` of every row (``N*K`` = none)."""
     N, K = topk_idx.shape
-    if cfg.expand and 0 < N * K <= _NATIVE_LAYOUT_MAX_ENTRIES:
-        return _native_expand_routing(cfg, topk_idx)
     M, E, rows = cfg.max_tokens_per_rank, cfg.num_experts, cfg.rows
     i32 = jnp.int32
     idx = topk_idx.astype(i32)
@@ -164,19 +162,32 @@ def _routing(cfg, topk_idx):
     return handle, src_tok, src_entry, (exp_row if cfg.expand else None)
 
 
-def _native_expand_routing(cfg, topk_idx):
-    """``_routing`` of an expand layout of at most ``_NATIVE_LAYOUT_MAX_ENTRIES`` entries, in one native call
-    (``jax_engram_ep_local_layout``) that computes exactly the arrays the sort above does."""
+def _uses_layout_call(cfg, topk_idx) -> bool:
+    """Whether a fresh dispatch's layout comes from the native layout call (an expand layout of at most
+    ``_NATIVE_LAYOUT_MAX_ENTRIES`` entries)."""
+    N, K = topk_idx.shape
+    return cfg.expand and 0 < N * K <= _NATIVE_LAYOUT_MAX_ENTRIES
+
+
+def _guarded_layout(cfg, token, topk_idx):
+    """(token, handle, src_tok, src_entry, exp_row) of a fresh expand dispatch whose layout comes from one native call
+    (``jax_engram_ep_local_layout``; :func:`_uses_layout_call`) that is also its guard: it refuses a closed or failed
+    context and checks and records the routing exactly as the guard does, then computes exactly the arrays
+    ``_routing``'s sort does. The token comes back in its own buffer."""
+    ctx = cfg.ctx
     N, K = topk_idx.shape
     M, E, rows = cfg.max_tokens_per_rank, cfg.num_experts, cfg.rows
     i32 = jnp.int32
-    t = topk_idx.astype(i32)
+    token = _call.vary(token, ctx.axis_name)
+    t = _call.vary(topk_idx.astype(i32), ctx.axis_name)
     shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
-    (exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row, num_recv1) = _call.call(
-        cfg.ctx, "jax_engram_ep_local_layout", [_call.like(t, s, i32) for s in shapes], t,
+    graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the guard: the graph target where XLA may capture it
+    (token, exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row, num_recv1) = _call.call(
+        ctx, "jax_engram_ep_local_layout_graph" if graph else "jax_engram_ep_local_layout",
+        [_call.like(token)] + [_call.like(t, s, i32) for s in shapes], token, t, input_output_aliases={0: 0},
         expert_alignment=cfg.expert_alignment)
     handle = (jnp.full((0, K), -1, i32), num_recv1, psum_expert, count, meta, dst_row, num_recv1[0], aligned)
-    return handle, src_tok, src_entry, exp_row
+    return token, handle, src_tok, src_entry, exp_row
 
 
 def _replay(cfg, meta, psum_rank):
@@ -289,10 +300,14 @@ def _combine(cfg, y, w, biases, meta, dst_row, topk_idx):
 # _combine_raw): absent weights / scales are empty arrays, a fresh dispatch returns every handle array.
 def _dispatch_raw(cfg, zero_padding, x, w, sf, topk_idx, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
-    token, checked = _guard(cfg, token, topk_idx, combine=False)
-    # the layout comes from the guard's copy of topk_idx: it cannot be computed before the check
-    x, w, sf, checked, token = _fence(x, w, sf, checked, token)
-    handle, src_tok, src_entry, dest = _routing(cfg, checked)
+    if _uses_layout_call(cfg, topk_idx):  # the layout call is the guard
+        x, w, sf, topk_idx, token = _fence(x, w, sf, topk_idx, token)
+        token, handle, src_tok, src_entry, dest = _guarded_layout(cfg, token, topk_idx)
+    else:
+        token, checked = _guard(cfg, token, topk_idx, combine=False)
+        # the layout comes from the guard's copy of topk_idx: it cannot be computed before the check
+        x, w, sf, checked, token = _fence(x, w, sf, checked, token)
+        handle, src_tok, src_entry, dest = _routing(cfg, checked)
     recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, group_sizes = handle
     recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry, dest)
     return _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv,

@@ -205,27 +205,33 @@ ffi::Error EpLocalScatterCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer d
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand layout (kernels/cpu/ep.cc ep_local_layout): stateless, after the guard.
-ffi::Error EpLocalLayoutCpu(int32_t ordinal, ffi::AnyBuffer topk, ffi::Result<ffi::AnyBuffer> exp_row,
+// The one-rank local path's expand layout (kernels/cpu/ep.cc ep_local_layout), which is also the dispatch's guard:
+// refuses a closed or failed context, checks the routing as the guard does (failing with the dispatch's error,
+// recorded the same way), then computes the layout and passes the token on.
+ffi::Error EpLocalLayoutCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk,
+                            ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> exp_row,
                             ffi::Result<ffi::AnyBuffer> src_entry, ffi::Result<ffi::AnyBuffer> src_tok,
                             ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> aligned,
                             ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> meta,
                             ffi::Result<ffi::AnyBuffer> dst_row, ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id,
                             int64_t alignment) {
-  (void)ordinal;
-  (void)ctx_id;
+  MemberScope s(ctx_id, ordinal, kOpEpDispatch);
+  if (!s.ok()) return s.error();
   LocalLayoutShape sh;
-  JE_CHECK(check_local_layout(kOpEpDispatch, topk, *exp_row, *src_entry, *src_tok, *count, *aligned, *psum_expert,
-                              *meta, *dst_row, *num_recv, alignment, &sh));
+  JE_CHECK(check_local_layout(kOpEpDispatch, token, *token_out, topk, *exp_row, *src_entry, *src_tok, *count,
+                              *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
+  copy_token(token, *token_out);
+  const auto* ids = static_cast<const int32_t*>(topk.untyped_data());
+  if (!cpu::ep_guard(s.member(), ids, sh.N, sh.K, sh.E)) return finish(s, sh.E);
   const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
   cpu::EpLocalLayoutArgs a;
-  a.topk = static_cast<const int32_t*>(topk.untyped_data());
+  a.topk = ids;
   a.N = sh.N, a.K = sh.K, a.E = sh.E, a.A = alignment, a.M = sh.M, a.rows = sh.rows;
   a.exp_row = i32(exp_row), a.src_entry = i32(src_entry), a.src_tok = i32(src_tok), a.count = i32(count);
   a.aligned = i32(aligned), a.psum_expert = i32(psum_expert), a.meta = i32(meta), a.dst_row = i32(dst_row);
   a.num_recv = i32(num_recv);
   cpu::ep_local_layout(a);
-  return ffi::Error::Success();
+  return s.check_recorded();
 }
 
 }  // namespace

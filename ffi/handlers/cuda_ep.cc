@@ -362,21 +362,31 @@ ffi::Error EpLocalScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand layout (kernels/cuda/ep_local.cu): stateless like the row scatter, after the
-// guard that checked the context and the routing.
-ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk,
-                             ffi::Result<ffi::AnyBuffer> exp_row, ffi::Result<ffi::AnyBuffer> src_entry,
-                             ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
-                             ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
-                             ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
-                             ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
-  (void)ctx_id;
+// The one-rank local path's expand layout (kernels/cuda/ep_local.cu), which is also the dispatch's guard: refuses a
+// closed or failed context as the guard's handler does, and its kernel records the routing's first bad entry as
+// the guard's kernel does (the next op or ctx.check() reports it). kGraph: the target XLA may capture in a CUDA graph
+// (cuda_graphs=True), as the guard's.
+template <bool kGraph>
+ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk,
+                             ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> exp_row,
+                             ffi::Result<ffi::AnyBuffer> src_entry, ffi::Result<ffi::AnyBuffer> src_tok,
+                             ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> aligned,
+                             ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> meta,
+                             ffi::Result<ffi::AnyBuffer> dst_row, ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id,
+                             int64_t alignment) {
+  MemberScope s(ctx_id, ordinal, kOpEpDispatch);
+  if (!s.ok()) return s.error();
+  Member& m = s.member();
   LocalLayoutShape sh;
-  JE_CHECK(check_local_layout(kOpEpDispatch, topk, *exp_row, *src_entry, *src_tok, *count, *aligned, *psum_expert,
-                              *meta, *dst_row, *num_recv, alignment, &sh));
+  JE_CHECK(check_local_layout(kOpEpDispatch, token, *token_out, topk, *exp_row, *src_entry, *src_tok, *count,
+                              *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
   const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
   EpLocalLayoutParams p;
   p.topk = static_cast<const int32_t*>(topk.untyped_data());
+  p.token = static_cast<const int32_t*>(token.untyped_data());
+  p.token_out = i32(token_out);
+  p.err = m.error_device;
+  p.rank = m.rank;
   p.N = static_cast<int32_t>(sh.N), p.K = static_cast<int32_t>(sh.K), p.E = static_cast<int32_t>(sh.E);
   p.A = static_cast<int32_t>(alignment), p.M = static_cast<int32_t>(sh.M), p.rows = static_cast<int32_t>(sh.rows);
   p.exp_row = i32(exp_row), p.src_entry = i32(src_entry), p.src_tok = i32(src_tok), p.count = i32(count);
@@ -384,6 +394,7 @@ ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.num_recv = i32(num_recv);
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(kOpEpDispatch, "cudaSetDevice", g.status());
+  JE_CHECK(note_capture(m, stream, kGraph, kOpEpDispatch, kCaptureGuard));
   const cudaError_t e = launch_ep_local_layout(p, stream);
   if (e != cudaSuccess) return cuda_failure(kOpEpDispatch, "launching the local layout kernel", e);
   return ffi::Error::Success();
@@ -426,7 +437,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardGraphCuda, EpGuardCuda<true>,
 // One target: the scatter keeps no state, so XLA may capture it in a CUDA graph whatever the context's setting.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCuda, EpLocalScatterCuda,
                               bind_ep_local_scatter(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCuda, EpLocalLayoutCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCuda, EpLocalLayoutCuda<false>,
+                              bind_ep_local_layout(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutGraphCuda, EpLocalLayoutCuda<true>,
                               bind_ep_local_layout(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
@@ -440,5 +453,7 @@ static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>
 static HandlerRegistrar reg_guard_g("jax_engram_ep_guard_graph", reinterpret_cast<void*>(JeEpGuardGraphCuda));
 static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCuda));
 static HandlerRegistrar reg_local_layout("jax_engram_ep_local_layout", reinterpret_cast<void*>(JeEpLocalLayoutCuda));
+static HandlerRegistrar reg_local_layout_g("jax_engram_ep_local_layout_graph",
+                                           reinterpret_cast<void*>(JeEpLocalLayoutGraphCuda));
 
 }  // namespace jax_engram

@@ -153,13 +153,18 @@ auto bind_ep_local_scatter(B&& b) {
 }
 
 
-// The one-rank local path's expand layout (kernels ep_local_layout): topk [N, K] (the guard's checked copy) ->
-// exp_row [N, K], src_entry [rows], src_tok [rows], count [E], aligned [E], psum_expert [E], meta [M, K + 2],
-// dst_row [N, 1], num_recv [1], all int32. Stateless, like the row scatter.
+// The one-rank local path's expand layout, which is also the dispatch's guard (kernels ep_local_layout): token,
+// topk [N, K] -> token_out (aliased to token), exp_row [N, K], src_entry [rows], src_tok [rows], count [E],
+// aligned [E], psum_expert [E], meta [M, K + 2], dst_row [N, 1], num_recv [1], all int32 (E from count's shape).
+// Like the guard it refuses a closed or failed context and checks the routing as a dispatch does (an id outside
+// [-1, E), a duplicate expert), recording a bad entry in context ctx_id; an id outside [0, E) is no entry of the
+// layout.
 template <typename B>
 auto bind_ep_local_layout(B&& b) {
   return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()  // token
       .template Arg<ffi::AnyBuffer>()  // topk
+      .template Ret<ffi::AnyBuffer>()  // token_out
       .template Ret<ffi::AnyBuffer>()  // exp_row
       .template Ret<ffi::AnyBuffer>()  // src_entry
       .template Ret<ffi::AnyBuffer>()  // src_tok

@@ -325,13 +325,14 @@ inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const
   return ffi::Error::Success();
 }
 
-// The local expand layout (bind_ep_local_layout): topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
+// The local expand layout (bind_ep_local_layout): the token pair, topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
 // [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows, metadata entries and layout
 // rows (N * K + (A - 1) * E); every output int32 of its documented shape. Returns the sizes.
 struct LocalLayoutShape {
   int64_t N = 0, K = 0, E = 0, M = 0, rows = 0;
 };
-inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& topk, const ffi::AnyBuffer& exp_row,
+inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& token, const ffi::AnyBuffer& token_out,
+                                     const ffi::AnyBuffer& topk, const ffi::AnyBuffer& exp_row,
                                      const ffi::AnyBuffer& src_entry, const ffi::AnyBuffer& src_tok,
                                      const ffi::AnyBuffer& count, const ffi::AnyBuffer& aligned,
                                      const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& meta,
@@ -373,6 +374,7 @@ inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& topk, con
   JE_CHECK(check(op, "recv_src_metadata", meta, {M, K + 2}, {DT::S32}));
   JE_CHECK(check(op, "dst_row", dst_row, {N, 1}, {DT::S32}));
   JE_CHECK(check(op, "num_recv_tokens", num_recv, {1}, {DT::S32}));
+  JE_CHECK(check_token(op, token, token_out));
   *shape = LocalLayoutShape{N, K, E, M, rows};
   return ffi::Error::Success();
 }

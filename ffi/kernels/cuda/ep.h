@@ -205,10 +205,15 @@ struct EpLocalScatterParams {
 // One launch on `stream`: N + ceil(rows / 8) CTAs (see ep_local.cu). No host sync.
 cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream);
 
-// The one-rank local path's expand layout of a checked routing (ep_local.cu; cpu::ep_local_layout is the rule, bit
-// for bit), N * K in [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N.
+// The one-rank local path's expand layout (ep_local.cu; cpu::ep_local_layout is the rule, bit for bit), N * K in
+// [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N. It is also the dispatch's guard: the
+// routing's first bad entry is recorded as launch_ep_guard records it, and an id outside [0, E) is no entry.
 struct EpLocalLayoutParams {
   const int32_t* topk = nullptr;   // [N, K]
+  const int32_t* token = nullptr;  // 4 bytes, copied to token_out unless they are the same buffer
+  int32_t* token_out = nullptr;
+  ErrorRecord* err = nullptr;      // the member's error record
+  int32_t rank = 0;
   int32_t N = 0, K = 0, E = 0, A = 1, M = 0, rows = 0;
   int32_t* exp_row = nullptr;      // [N, K]
   int32_t* src_entry = nullptr;    // [rows]
@@ -222,7 +227,8 @@ struct EpLocalLayoutParams {
 };
 
 // One launch on `stream`: CTAs that each compute the whole layout in shared memory (counts, scans, a stable block
-// radix sort of the entries by expert) and write their share of the outputs (see ep_local.cu). No host sync.
+// radix sort of the entries by expert) and write their share of the outputs; CTA 0 also checks the routing and
+// copies the token (see ep_local.cu). No host sync.
 cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.

@@ -6,7 +6,9 @@
 // expert's entries is its sorted position minus the expert's unaligned start), and the receive token order (a scan of
 // the tokens that have an expert). Each CTA then writes its share of one index space over every output, each element
 // computed from shared memory alone, so no CTA waits for another and one launch replaces the dozen small kernels
-// (scans, scatters, a sort) XLA makes of the same layout.
+// (scans, scatters, a sort) XLA makes of the same layout. The layout is also the dispatch's guard: CTA 0 checks the
+// routing as the guard's kernel does (ep_guard.cu) and records its first bad entry the same way, and copies the
+// token, so a dispatch of this size makes one call before its rows move instead of two.
 //
 // The row scatter (ep.h EpLocalScatterParams): every
 // token's row is read from HBM once and written to each of its receive rows, and the rows no entry fills are zeroed.
@@ -18,12 +20,14 @@
 // src[r] when that token lists r among its destinations, and is zeroed otherwise; a token CTA writes only the rows
 // that belong to it. So every row has exactly one writer, and the result is the CPU kernel's, whatever dest and src
 // hold (a handle's metadata rebuilds them; a layout made from the routing always has them agree).
+#include <climits>
 #include <cstdint>
 
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/ep.h"
+#include "kernels/cuda/sync.cuh"
 
 namespace jax_engram {
 namespace {
@@ -68,9 +72,23 @@ __device__ int32_t layout_scan(int32_t* a, int n, LayoutScan::TempStorage& tmp) 
   return total;
 }
 
+// The first bad k of a token's ids (an id outside [-1, E), or a valid id an earlier k holds), -1: none -- the
+// guard's rule (ep_guard.cu), for the few tokens of a layout this size.
+__device__ int layout_first_bad_k(const int32_t* row, int K, int E) {
+  for (int k = 0; k < K; ++k) {
+    const int32_t id = row[k];
+    if (id < -1 || id >= E) return k;
+    if (id >= 0)
+      for (int j = 0; j < k; ++j)
+        if (row[j] == id) return k;
+  }
+  return -1;
+}
+
 __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLocalLayoutParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ LayoutScan::TempStorage scan_tmp;
+  __shared__ unsigned long long sh_bad;  // CTA 0: the smallest (token << 6 | k) of a bad entry, ULLONG_MAX: none
   const int N = p.N, K = p.K, E = p.E, n = N * K, W = K + 2, tid = threadIdx.x;
   int32_t* cnt = reinterpret_cast<int32_t*>(smem);  // [E] entries per expert
   int32_t* start = cnt + E;                         // [E] aligned segment starts: the first receive row of e
@@ -83,7 +101,19 @@ __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLo
   int32_t* tok = pos + N;                               // [N] the token of each receive token row < num
 
   for (int e = tid; e < E; e += kLayoutThreads) cnt[e] = 0;
+  if (tid == 0) {
+    sh_bad = ULLONG_MAX;
+    if (blockIdx.x == 0 && p.token_out != p.token) *p.token_out = *p.token;
+  }
   __syncthreads();
+  // The guard's check (CTA 0 alone: every CTA holds the whole routing): the routing's first bad entry in (token, k)
+  // order, recorded below exactly as the guard records it. The layout does not depend on it: an id outside [0, E)
+  // is no entry, and a duplicate is an entry like any other, so the outputs stay in bounds whatever the routing.
+  if (blockIdx.x == 0)
+    for (int t = tid; t < N; t += kLayoutThreads) {
+      const int k = layout_first_bad_k(p.topk + static_cast<int64_t>(t) * K, K, E);
+      if (k >= 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | static_cast<unsigned>(k));
+    }
   // Sort keys: the expert of an entry, E for none, E + 1 past the last entry (so the n entries sort first); the sort
   // reads only the bits those take. Blocked: thread tid holds entries tid * kLayoutItems + i.
   int32_t key[kLayoutItems], val[kLayoutItems];
@@ -104,6 +134,13 @@ __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLo
     first[e] = cnt[e];
   }
   __syncthreads();
+  if (blockIdx.x == 0 && tid == 0 && sh_bad != ULLONG_MAX) {  // the atomics above are behind a barrier
+    const int64_t bt = static_cast<int64_t>(sh_bad >> 6);
+    const int bad_id = p.topk[bt * K + static_cast<int>(sh_bad & 63)];
+    const int kind = (bad_id < -1 || bad_id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+    cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0,
+                              ep_bad_detail(bt, kind));
+  }
   layout_scan(start, E, scan_tmp);
   layout_scan(first, E, scan_tmp);
   LayoutSort(sort_tmp).Sort(key, val, 0, 32 - __clz(E + 1));  // stable: an expert's entries keep their (t, k) order
@@ -237,7 +274,7 @@ cudaError_t launch(const EpLocalScatterParams& p, cudaStream_t stream) {
 cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(p.N) * p.K;
   if (p.K < 1 || p.K > kEpMaxTopk || n < 1 || n > kEpLocalLayoutMaxEntries || p.E < 1 || p.E > kEpMaxLocalExperts ||
-      p.A < 1 || p.M < p.N || p.rows < 0 || !p.topk || !p.exp_row || !p.count || !p.aligned || !p.psum_expert ||
+      p.A < 1 || p.M < p.N || p.rows < 0 || !p.topk || !p.token || !p.token_out || !p.err || !p.exp_row || !p.count || !p.aligned || !p.psum_expert ||
       !p.meta || !p.dst_row || !p.num_recv || (p.rows > 0 && (!p.src_entry || !p.src_tok)))
     return cudaErrorInvalidValue;
   const size_t smem = layout_smem_bytes(p.E, static_cast<int>(n), p.N);
