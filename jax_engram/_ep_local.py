@@ -18,7 +18,9 @@ token) and records the first bad entry in the context exactly as they do: the sa
 (CPU: the call fails with it; CUDA: the next op of the context or ``ctx.check()``), and the context is unusable
 after it. The backward pass has guards in the places of the kernels' backward ops. The guard is a side-effecting
 custom call on the op's token (XLA never drops it, and it keeps its place in the chain of the context's ops); a fresh
-dispatch computes its layout from the guard's copy of topk_idx, so none of it runs before the check. The guards of
+dispatch computes its layout from the guard's copy of topk_idx, so none of it runs before the check. An expand
+dispatch whose layout comes from the layout call has no separate guard: that call takes the token and makes the
+guard's checks itself (one custom call and one kernel fewer per op, which is what a small op's time is made of). The guards of
 cached dispatch and combine check only the context, at their handler, which fails the whole call wherever XLA
 places it.
 
