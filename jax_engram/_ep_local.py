@@ -1,11 +1,12 @@
 """The one-rank EP path: dispatch / combine of a flat context of ONE rank as a local permutation (plain JAX and
-two small native calls for the expand layout).
+small native calls for the expand layout).
 
 At one rank nothing crosses a link: every token's destination is the rank itself, so dispatch moves x's rows into
 the documented receive layout and combine is a gather (non-expand) or a gather-and-sum (expand) back. Non-expand
-rows are a gather. Expand rows are a native scatter (``jax_engram_ep_local_scatter``) that reads each token's row
-once and writes its receive rows; their layout comes from one native call (``jax_engram_ep_local_layout``) up to
-``_NATIVE_LAYOUT_MAX_ENTRIES`` (token, k) entries, from a stable sort by expert above. This
+rows are a gather. An expand dispatch of up to ``_NATIVE_LAYOUT_MAX_ENTRIES`` (token, k) entries is one native call
+(``jax_engram_ep_local_dispatch``: the layout, the rows, each token's row read once, and the weights); above that
+size, and for a cached dispatch, the layout comes from a stable sort by expert (or the handle) and the rows from a
+native scatter (``jax_engram_ep_local_scatter``) that reads each token's row once. This
 module computes exactly the layouts, handle fields and sums of docs/semantics.md ("MoE dispatch", "MoE combine",
 "Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no staging region (the
 context's memory needs do not change), no host synchronisation, no recompilation when counts change.
@@ -19,8 +20,8 @@ token) and records the first bad entry in the context exactly as they do: the sa
 after it. The backward pass has guards in the places of the kernels' backward ops. The guard is a side-effecting
 custom call on the op's token (XLA never drops it, and it keeps its place in the chain of the context's ops); a fresh
 dispatch computes its layout from the guard's copy of topk_idx, so none of it runs before the check. An expand
-dispatch whose layout comes from the layout call has no separate guard: that call takes the token and makes the
-guard's checks itself (one custom call and one kernel fewer per op, which is what a small op's time is made of). The guards of
+dispatch made by the dispatch call has no separate guard: that call takes the token and makes the guard's checks
+itself, so the op is one custom call (a small op's time in a loop is mostly the host's cost per custom call). The guards of
 cached dispatch and combine check only the context, at their handler, which fails the whole call wherever XLA
 places it.
 
@@ -57,8 +58,8 @@ from jax_engram import _call, _ep_flat
 from jax_engram._ep_guard import applies, guard_call
 from jax_engram._ep_types import LOCAL_LAYOUT_MAX_ENTRIES
 
-# Expand layouts of at most this many (token, k) entries come from one native call (jax_engram_ep_local_layout: the
-# whole layout, a few kernels of XLA's in one), larger ones from a stable sort by expert here.
+# Expand dispatches of at most this many (token, k) entries are one native call (jax_engram_ep_local_dispatch: the
+# guard, the whole layout, the rows and the weights), larger ones a stable sort by expert here and the row scatter.
 _NATIVE_LAYOUT_MAX_ENTRIES = LOCAL_LAYOUT_MAX_ENTRIES
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -164,32 +165,37 @@ def _routing(cfg, topk_idx):
     return handle, src_tok, src_entry, (exp_row if cfg.expand else None)
 
 
-def _uses_layout_call(cfg, topk_idx) -> bool:
-    """Whether a fresh dispatch's layout comes from the native layout call (an expand layout of at most
-    ``_NATIVE_LAYOUT_MAX_ENTRIES`` entries)."""
+def _uses_dispatch_call(cfg, topk_idx) -> bool:
+    """Whether a fresh dispatch is one native call (an expand layout of at most ``_NATIVE_LAYOUT_MAX_ENTRIES``
+    entries)."""
     N, K = topk_idx.shape
     return cfg.expand and 0 < N * K <= _NATIVE_LAYOUT_MAX_ENTRIES
 
 
-def _guarded_layout(cfg, token, topk_idx):
-    """(token, handle, src_tok, src_entry, exp_row) of a fresh expand dispatch whose layout comes from one native call
-    (``jax_engram_ep_local_layout``; :func:`_uses_layout_call`) that is also its guard: it refuses a closed or failed
-    context and checks and records the routing exactly as the guard does, then computes exactly the arrays
-    ``_routing``'s sort does. The token comes back in its own buffer."""
+def _dispatch_call(cfg, token, topk_idx, x, w):
+    """(token, handle, src_tok, recv_x, recv_w) of a fresh expand dispatch in one native call
+    (``jax_engram_ep_local_dispatch``; :func:`_uses_dispatch_call`) that is also its guard: it refuses a closed or
+    failed context and checks and records the routing exactly as the guard does, then computes exactly the layout
+    ``_routing``'s sort does, the receive rows ``_scatter_rows`` writes and the weights ``_move`` gathers (``w`` [N, K]
+    or [N, 0]: none). The token comes back in its own buffer."""
     ctx = cfg.ctx
     N, K = topk_idx.shape
     M, E, rows = cfg.max_tokens_per_rank, cfg.num_experts, cfg.rows
     i32 = jnp.int32
-    token = _call.vary(token, ctx.axis_name)
-    t = _call.vary(topk_idx.astype(i32), ctx.axis_name)
+    axes = ctx.axis_name
+    token = _call.vary(token, axes)
+    t = _call.vary(topk_idx.astype(i32), axes)
+    w_flat = w.reshape(-1)
     shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
+    results = [_call.like(token), _call.like(x, (rows, x.shape[1])), _call.like(w_flat, (rows if w.size else 0,))]
     graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the guard: the graph target where XLA may capture it
-    (token, exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row, num_recv1) = _call.call(
-        ctx, "jax_engram_ep_local_layout_graph" if graph else "jax_engram_ep_local_layout",
-        [_call.like(token)] + [_call.like(t, s, i32) for s in shapes], token, t, input_output_aliases={0: 0},
-        expert_alignment=cfg.expert_alignment)
+    (token, recv_x, recv_w, exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row,
+     num_recv1) = _call.call(ctx, "jax_engram_ep_local_dispatch_graph" if graph else "jax_engram_ep_local_dispatch",
+                             results + [_call.like(t, s, i32) for s in shapes], token, t, x, w_flat,
+                             input_output_aliases={0: 0}, expert_alignment=cfg.expert_alignment)
+    del exp_row, src_entry  # the handle's metadata holds the receive rows
     handle = (jnp.full((0, K), -1, i32), num_recv1, psum_expert, count, meta, dst_row, num_recv1[0], aligned)
-    return token, handle, src_tok, src_entry, exp_row
+    return token, handle, src_tok, recv_x, recv_w
 
 
 def _replay(cfg, meta, psum_rank):
@@ -302,16 +308,17 @@ def _combine(cfg, y, w, biases, meta, dst_row, topk_idx):
 # _combine_raw): absent weights / scales are empty arrays, a fresh dispatch returns every handle array.
 def _dispatch_raw(cfg, zero_padding, x, w, sf, topk_idx, token):
     del zero_padding  # rows nobody fills are zero, alignment padding included
-    if _uses_layout_call(cfg, topk_idx):  # the layout call is the guard
+    if _uses_dispatch_call(cfg, topk_idx):  # one call: the guard, the layout, the rows and the weights
         x, w, sf, topk_idx, token = _fence(x, w, sf, topk_idx, token)
-        token, handle, src_tok, src_entry, dest = _guarded_layout(cfg, token, topk_idx)
+        token, handle, src_tok, recv_x, recv_w = _dispatch_call(cfg, token, topk_idx, x, w)
+        recv_sf = _take_rows(sf, src_tok)
     else:
         token, checked = _guard(cfg, token, topk_idx, combine=False)
         # the layout comes from the guard's copy of topk_idx: it cannot be computed before the check
         x, w, sf, checked, token = _fence(x, w, sf, checked, token)
         handle, src_tok, src_entry, dest = _routing(cfg, checked)
+        recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry, dest)
     recv_topk, psum_rank, psum_expert, count, meta, dst_row, num_recv, group_sizes = handle
-    recv_x, recv_sf, recv_w = _move(cfg, x, w, sf, src_tok, src_entry, dest)
     return _fence(recv_x, recv_sf, recv_topk, recv_w, psum_rank, psum_expert, count, meta, dst_row, num_recv,
                   group_sizes, token)
 

@@ -153,7 +153,7 @@ def _compare_handle(a, b, c, token_ok, tag):
 @pytest.mark.parametrize("ranking", ["native", "sort"])
 def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypatch):
     """``ranking``: how the expand layout is computed (_ep_local._NATIVE_LAYOUT_MAX_ENTRIES): these cases are small
-    enough for the native layout call; "sort" forces the stable sort in JAX that larger layouts take."""
+    enough for the native dispatch call; "sort" forces the stable sort in JAX that larger layouts take."""
     from jax_engram import _ep_local
     if ranking == "sort":
         monkeypatch.setattr(_ep_local, "_NATIVE_LAYOUT_MAX_ENTRIES", 0)
@@ -209,7 +209,7 @@ def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypat
     assert ran == CASES
 
 
-# (N, K, E, expert_alignment, M): the native layout's extremes (jax_engram_ep_local_layout; CUDA ep_local.cu): every
+# (N, K, E, expert_alignment, M): the dispatch call's extremes (jax_engram_ep_local_dispatch; CUDA ep_local.cu): every
 # entry, token and expert its shared memory holds (top-1), top-32 of the most experts one rank has, a wide alignment and
 # M > N, the bench's T = 128 shape, one entry
 _LAYOUT_LIMITS = [(2048, 1, 256, 1, 2048), (64, 32, 256, 4, 64), (256, 8, 256, 128, 300), (128, 8, 256, 1, 128),
@@ -218,8 +218,9 @@ _LAYOUT_LIMITS = [(2048, 1, 256, 1, 2048), (64, 32, 256, 4, 64), (256, 8, 256, 1
 
 @pytest.mark.parametrize("N,K,E,A,M", _LAYOUT_LIMITS)
 def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, monkeypatch):
-    """The layout call against the stable sort of larger layouts (which the seeded cases compare with the
-    reference), every handle array and receive array bit for bit, at the sizes where the kernel's limits are."""
+    """The dispatch call against the stable sort and row scatter of larger layouts (which the seeded cases compare
+    with the reference), every handle array and receive array bit for bit (padding rows included), at the sizes
+    where the kernel's limits are."""
     from jax_engram import _ep_local
     mesh, local, _ = contexts
     rng = np.random.default_rng(N * 7919 + K * 131 + E)
@@ -247,7 +248,7 @@ def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, m
 @pytest.mark.parametrize("alignment,words", [(1 << 31, "expert_alignment=2147483648"),
                                              (1 << 29, "last row below 2^31")])
 def test_native_layout_refuses_layouts_past_int32(contexts, alignment, words):
-    """The layout call's own check (a caller other than _ep_local could pass these): rows and segment starts are
+    """The dispatch call's own check (a caller other than _ep_local could pass these): rows and segment starts are
     int32 in both kernels, so a layout whose last row reaches 2^31 is refused. (The metadata's own bound needs a
     buffer of 2^31 entries to reach, too large for a test.)"""
     from jax_engram import _call
@@ -257,17 +258,18 @@ def test_native_layout_refuses_layouts_past_int32(contexts, alignment, words):
 
     def body(t):
         shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
-        token = jnp.zeros((), jnp.int32)
-        return _call.call(local, "jax_engram_ep_local_layout",
-                          [_call.like(token)] + [_call.like(t, sh, jnp.int32) for sh in shapes], token, t,
-                          expert_alignment=alignment)[1]
+        token, x, w = jnp.zeros((), jnp.int32), jnp.zeros((N, 16), jnp.bfloat16), jnp.zeros((N * K,), jnp.float32)
+        results = [_call.like(token), _call.like(x, (rows, 16)), _call.like(w, (rows,))]
+        return _call.call(local, "jax_engram_ep_local_dispatch",
+                          results + [_call.like(t, sh, jnp.int32) for sh in shapes], token, t, x, w,
+                          expert_alignment=alignment)[3]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     with pytest.raises(Exception, match=re.escape(words)):
         jax.block_until_ready(f(np.zeros((N, K), np.int32)))
 
 
-def test_one_rank_path_calls_only_its_guards_layout_and_scatter_and_takes_no_region(contexts):
+def test_one_rank_path_calls_only_its_guard_and_dispatch_call_and_takes_no_region(contexts):
     mesh, local, native = contexts
     N, H, K, E = 16, 16, 4, 8
 
@@ -284,16 +286,15 @@ def test_one_rank_path_calls_only_its_guards_layout_and_scatter_and_takes_no_reg
     hlo = program(local).lower(*args).as_text()
     out, _ = program(local)(*args)
     targets = sorted(set(re.findall(r"custom_call @(jax_engram_\w+)", hlo)))
-    # the combine's guard and, expand, the layout (the dispatch's guard at this size) and the row scatter: no EP kernel
-    assert targets == ["jax_engram_ep_guard", "jax_engram_ep_local_layout", "jax_engram_ep_local_scatter"], targets
-    assert hlo.count("@jax_engram_ep_guard(") == 1 and hlo.count("@jax_engram_ep_local_scatter(") == 1, hlo
-    assert hlo.count("@jax_engram_ep_local_layout(") == 1, hlo
+    # the combine's guard and the dispatch's one call (its own guard at this size): no EP kernel, no row scatter
+    assert targets == ["jax_engram_ep_guard", "jax_engram_ep_local_dispatch"], targets
+    assert hlo.count("@jax_engram_ep_guard(") == 1 and hlo.count("@jax_engram_ep_local_dispatch(") == 1, hlo
     assert local._regions == regions
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((N, H), K, np.float32))
     assert "jax_engram_ep_dispatch" in program(native).lower(*args).as_text()  # the switch reaches the kernels
-    # the layout call carries the op's token (aliased in place), so it keeps its place in the context's chain of ops
+    # the dispatch call carries the op's token (aliased in place), so it keeps its place in the context's chain of ops
     compiled = program(local).lower(*args).compile().as_text()
-    layout = [ln for ln in compiled.splitlines() if 'custom_call_target="jax_engram_ep_local_layout"' in ln]
+    layout = [ln for ln in compiled.splitlines() if 'custom_call_target="jax_engram_ep_local_dispatch"' in ln]
     assert len(layout) == 1 and "output_to_operand_aliasing={{0}: (0, {})}" in layout[0], layout
 
 
@@ -438,7 +439,7 @@ def test_one_rank_bad_routing_fails_as_the_kernels_fail(contexts, name):
     mesh = contexts[0]
     N, K, E, bad, words = _BAD[name]
     idx = _routing(N, K, E, bad)
-    # expand: the layout call checks the routing itself up to 2048 entries ("wide": the guard, then the sort)
+    # expand: the dispatch call checks the routing itself up to 2048 entries ("wide": the guard, then the sort)
     expand = name in ("first_of_several", "wide", "duplicate", "range_before_duplicate", "top32")
     got = _bad_routing_outcomes(mesh, "local", N, K, E, idx, expand)
     want = _bad_routing_outcomes(mesh, "kernels", N, K, E, idx, expand)

@@ -205,21 +205,23 @@ ffi::Error EpLocalScatterCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer d
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand layout (kernels/cpu/ep.cc ep_local_layout), which is also the dispatch's guard:
+// The one-rank local path's expand dispatch of up to kEpLocalLayoutMaxEntries entries, which is also its own guard:
 // refuses a closed or failed context, checks the routing as the guard does (failing with the dispatch's error,
-// recorded the same way), then computes the layout and passes the token on.
-ffi::Error EpLocalLayoutCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk,
-                            ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> exp_row,
-                            ffi::Result<ffi::AnyBuffer> src_entry, ffi::Result<ffi::AnyBuffer> src_tok,
-                            ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> aligned,
-                            ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> meta,
-                            ffi::Result<ffi::AnyBuffer> dst_row, ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id,
-                            int64_t alignment) {
+// recorded the same way), then computes the layout (kernels/cpu/ep.cc ep_local_layout), moves the rows
+// (ep_local_scatter) and gathers the weights, and passes the token on.
+ffi::Error EpLocalDispatchCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk, ffi::AnyBuffer x,
+                              ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> token_out,
+                              ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_w,
+                              ffi::Result<ffi::AnyBuffer> exp_row, ffi::Result<ffi::AnyBuffer> src_entry,
+                              ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
+                              ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
+                              ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
+                              ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok()) return s.error();
   LocalLayoutShape sh;
-  JE_CHECK(check_local_layout(kOpEpDispatch, token, *token_out, topk, *exp_row, *src_entry, *src_tok, *count,
-                              *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
+  JE_CHECK(check_local_dispatch(kOpEpDispatch, token, *token_out, topk, x, w, *recv_x, *recv_w, *exp_row, *src_entry,
+                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
   copy_token(token, *token_out);
   const auto* ids = static_cast<const int32_t*>(topk.untyped_data());
   if (!cpu::ep_guard(s.member(), ids, sh.N, sh.K, sh.E)) return finish(s, sh.E);
@@ -231,6 +233,15 @@ ffi::Error EpLocalLayoutCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffe
   a.aligned = i32(aligned), a.psum_expert = i32(psum_expert), a.meta = i32(meta), a.dst_row = i32(dst_row);
   a.num_recv = i32(num_recv);
   cpu::ep_local_layout(a);
+  const int64_t row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  cpu::ep_local_scatter(static_cast<const uint8_t*>(x.untyped_data()), a.exp_row, a.src_tok,
+                        static_cast<uint8_t*>(recv_x->untyped_data()), sh.N, sh.K, sh.rows, row_bytes);
+  if (w.element_count() != 0) {  // the weight of each row's entry, as bits; +0.0 without one
+    const auto* wb = static_cast<const uint32_t*>(w.untyped_data());
+    auto* out = static_cast<uint32_t*>(recv_w->untyped_data());
+    const int64_t n = sh.N * sh.K;
+    for (int64_t r = 0; r < sh.rows; ++r) out[r] = a.src_entry[r] < n ? wb[a.src_entry[r]] : 0u;
+  }
   return s.check_recorded();
 }
 
@@ -250,14 +261,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardCpu, EpGuardCpu,
                               bind_ep_guard(cpu_context()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCpu, EpLocalScatterCpu,
                               bind_ep_local_scatter(cpu_context()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCpu, EpLocalLayoutCpu,
-                              bind_ep_local_layout(cpu_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalDispatchCpu, EpLocalDispatchCpu,
+                              bind_ep_local_dispatch(cpu_context()));
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCpu));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCpu));
 static HandlerRegistrar reg_combine("jax_engram_ep_combine", reinterpret_cast<void*>(JeEpCombineCpu));
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCpu));
 static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCpu));
-static HandlerRegistrar reg_local_layout("jax_engram_ep_local_layout", reinterpret_cast<void*>(JeEpLocalLayoutCpu));
+static HandlerRegistrar reg_local_dispatch("jax_engram_ep_local_dispatch",
+                                           reinterpret_cast<void*>(JeEpLocalDispatchCpu));
 
 }  // namespace jax_engram

@@ -362,26 +362,27 @@ ffi::Error EpLocalScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand layout (kernels/cuda/ep_local.cu), which is also the dispatch's guard: refuses a
-// closed or failed context as the guard's handler does, and its kernel records the routing's first bad entry as
-// the guard's kernel does (the next op or ctx.check() reports it). kGraph: the target XLA may capture in a CUDA graph
-// (cuda_graphs=True), as the guard's.
+// The one-rank local path's expand dispatch of up to kEpLocalLayoutMaxEntries entries (kernels/cuda/ep_local.cu),
+// which is also its own guard: refuses a closed or failed context as the guard's handler does, and its kernel
+// records the routing's first bad entry as the guard's kernel does (the next op or ctx.check() reports it). kGraph:
+// the target XLA may capture in a CUDA graph (cuda_graphs=True), as the guard's.
 template <bool kGraph>
-ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk,
-                             ffi::Result<ffi::AnyBuffer> token_out, ffi::Result<ffi::AnyBuffer> exp_row,
-                             ffi::Result<ffi::AnyBuffer> src_entry, ffi::Result<ffi::AnyBuffer> src_tok,
-                             ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> aligned,
-                             ffi::Result<ffi::AnyBuffer> psum_expert, ffi::Result<ffi::AnyBuffer> meta,
-                             ffi::Result<ffi::AnyBuffer> dst_row, ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id,
-                             int64_t alignment) {
+ffi::Error EpLocalDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer topk,
+                               ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> token_out,
+                               ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_w,
+                               ffi::Result<ffi::AnyBuffer> exp_row, ffi::Result<ffi::AnyBuffer> src_entry,
+                               ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
+                               ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
+                               ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
+                               ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   LocalLayoutShape sh;
-  JE_CHECK(check_local_layout(kOpEpDispatch, token, *token_out, topk, *exp_row, *src_entry, *src_tok, *count,
-                              *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
+  JE_CHECK(check_local_dispatch(kOpEpDispatch, token, *token_out, topk, x, w, *recv_x, *recv_w, *exp_row, *src_entry,
+                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
   const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
-  EpLocalLayoutParams p;
+  EpLocalDispatchParams p;
   p.topk = static_cast<const int32_t*>(topk.untyped_data());
   p.token = static_cast<const int32_t*>(token.untyped_data());
   p.token_out = i32(token_out);
@@ -389,14 +390,21 @@ ffi::Error EpLocalLayoutCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.rank = m.rank;
   p.N = static_cast<int32_t>(sh.N), p.K = static_cast<int32_t>(sh.K), p.E = static_cast<int32_t>(sh.E);
   p.A = static_cast<int32_t>(alignment), p.M = static_cast<int32_t>(sh.M), p.rows = static_cast<int32_t>(sh.rows);
+  p.row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  p.x = static_cast<const uint8_t*>(x.untyped_data());
+  p.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  if (w.element_count() != 0) {
+    p.w = static_cast<const uint32_t*>(w.untyped_data());
+    p.recv_w = static_cast<uint32_t*>(recv_w->untyped_data());
+  }
   p.exp_row = i32(exp_row), p.src_entry = i32(src_entry), p.src_tok = i32(src_tok), p.count = i32(count);
   p.aligned = i32(aligned), p.psum_expert = i32(psum_expert), p.meta = i32(meta), p.dst_row = i32(dst_row);
   p.num_recv = i32(num_recv);
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(kOpEpDispatch, "cudaSetDevice", g.status());
   JE_CHECK(note_capture(m, stream, kGraph, kOpEpDispatch, kCaptureGuard));
-  const cudaError_t e = launch_ep_local_layout(p, stream);
-  if (e != cudaSuccess) return cuda_failure(kOpEpDispatch, "launching the local layout kernel", e);
+  const cudaError_t e = launch_ep_local_dispatch(p, stream);
+  if (e != cudaSuccess) return cuda_failure(kOpEpDispatch, "launching the local dispatch kernel", e);
   return ffi::Error::Success();
 }
 
@@ -437,10 +445,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpGuardGraphCuda, EpGuardCuda<true>,
 // One target: the scatter keeps no state, so XLA may capture it in a CUDA graph whatever the context's setting.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalScatterCuda, EpLocalScatterCuda,
                               bind_ep_local_scatter(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutCuda, EpLocalLayoutCuda<false>,
-                              bind_ep_local_layout(cuda_context()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalLayoutGraphCuda, EpLocalLayoutCuda<true>,
-                              bind_ep_local_layout(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalDispatchCuda, EpLocalDispatchCuda<false>,
+                              bind_ep_local_dispatch(cuda_context()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JeEpLocalDispatchGraphCuda, EpLocalDispatchCuda<true>,
+                              bind_ep_local_dispatch(cuda_context()), {ffi::Traits::kCmdBufferCompatible});
 
 static HandlerRegistrar reg_dispatch("jax_engram_ep_dispatch", reinterpret_cast<void*>(JeEpDispatchCuda));
 static HandlerRegistrar reg_cached("jax_engram_ep_dispatch_cached", reinterpret_cast<void*>(JeEpDispatchCachedCuda));
@@ -452,8 +460,9 @@ static HandlerRegistrar reg_combine_g("jax_engram_ep_combine_graph", reinterpret
 static HandlerRegistrar reg_guard("jax_engram_ep_guard", reinterpret_cast<void*>(JeEpGuardCuda));
 static HandlerRegistrar reg_guard_g("jax_engram_ep_guard_graph", reinterpret_cast<void*>(JeEpGuardGraphCuda));
 static HandlerRegistrar reg_local_scatter("jax_engram_ep_local_scatter", reinterpret_cast<void*>(JeEpLocalScatterCuda));
-static HandlerRegistrar reg_local_layout("jax_engram_ep_local_layout", reinterpret_cast<void*>(JeEpLocalLayoutCuda));
-static HandlerRegistrar reg_local_layout_g("jax_engram_ep_local_layout_graph",
-                                           reinterpret_cast<void*>(JeEpLocalLayoutGraphCuda));
+static HandlerRegistrar reg_local_dispatch("jax_engram_ep_local_dispatch",
+                                           reinterpret_cast<void*>(JeEpLocalDispatchCuda));
+static HandlerRegistrar reg_local_dispatch_g("jax_engram_ep_local_dispatch_graph",
+                                             reinterpret_cast<void*>(JeEpLocalDispatchGraphCuda));
 
 }  // namespace jax_engram

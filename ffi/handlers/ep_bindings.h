@@ -153,18 +153,23 @@ auto bind_ep_local_scatter(B&& b) {
 }
 
 
-// The one-rank local path's expand layout, which is also the dispatch's guard (kernels ep_local_layout): token,
-// topk [N, K] -> token_out (aliased to token), exp_row [N, K], src_entry [rows], src_tok [rows], count [E],
-// aligned [E], psum_expert [E], meta [M, K + 2], dst_row [N, 1], num_recv [1], all int32 (E from count's shape).
-// Like the guard it refuses a closed or failed context and checks the routing as a dispatch does (an id outside
-// [-1, E), a duplicate expert), recording a bad entry in context ctx_id; an id outside [0, E) is no entry of the
-// layout.
+// The one-rank local path's expand dispatch of at most kEpLocalLayoutMaxEntries entries, which is also its own guard
+// (kernels ep_local_dispatch): token, topk [N, K], x [N, H], w [N * K] float32 or [0] (no weights) -> token_out
+// (aliased to token), recv_x [rows, H] of x's dtype, recv_w [rows] float32 or [0], then the layout: exp_row [N, K],
+// src_entry [rows], src_tok [rows], count [E], aligned [E], psum_expert [E], meta [M, K + 2], dst_row [N, 1],
+// num_recv [1], all int32 (E from count's shape). Like the guard it refuses a closed or failed context and checks the
+// routing as a dispatch does (an id outside [-1, E), a duplicate expert), recording a bad entry in context ctx_id;
+// an id outside [0, E) is no entry of the layout.
 template <typename B>
-auto bind_ep_local_layout(B&& b) {
+auto bind_ep_local_dispatch(B&& b) {
   return std::forward<B>(b)
       .template Arg<ffi::AnyBuffer>()  // token
       .template Arg<ffi::AnyBuffer>()  // topk
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // w
       .template Ret<ffi::AnyBuffer>()  // token_out
+      .template Ret<ffi::AnyBuffer>()  // recv_x
+      .template Ret<ffi::AnyBuffer>()  // recv_w
       .template Ret<ffi::AnyBuffer>()  // exp_row
       .template Ret<ffi::AnyBuffer>()  // src_entry
       .template Ret<ffi::AnyBuffer>()  // src_tok

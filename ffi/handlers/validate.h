@@ -325,14 +325,18 @@ inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const
   return ffi::Error::Success();
 }
 
-// The local expand layout (bind_ep_local_layout): the token pair, topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
+// The local expand dispatch (bind_ep_local_dispatch): the token pair, topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
 // [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows, metadata entries and layout
-// rows (N * K + (A - 1) * E); every output int32 of its documented shape. Returns the sizes.
+// rows (N * K + (A - 1) * E); x [N, H] and recv_x [rows, H] of one dtype, fewer than 2^31 bytes per row; w [N * K]
+// float32 with recv_w [rows], or both [0] (no weights); every layout output int32 of its documented shape. Returns
+// the sizes.
 struct LocalLayoutShape {
   int64_t N = 0, K = 0, E = 0, M = 0, rows = 0;
 };
-inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& token, const ffi::AnyBuffer& token_out,
-                                     const ffi::AnyBuffer& topk, const ffi::AnyBuffer& exp_row,
+inline ffi::Error check_local_dispatch(int32_t op, const ffi::AnyBuffer& token, const ffi::AnyBuffer& token_out,
+                                       const ffi::AnyBuffer& topk, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                                       const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_w,
+                                       const ffi::AnyBuffer& exp_row,
                                      const ffi::AnyBuffer& src_entry, const ffi::AnyBuffer& src_tok,
                                      const ffi::AnyBuffer& count, const ffi::AnyBuffer& aligned,
                                      const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& meta,
@@ -375,6 +379,18 @@ inline ffi::Error check_local_layout(int32_t op, const ffi::AnyBuffer& token, co
   JE_CHECK(check(op, "dst_row", dst_row, {N, 1}, {DT::S32}));
   JE_CHECK(check(op, "num_recv_tokens", num_recv, {1}, {DT::S32}));
   JE_CHECK(check_token(op, token, token_out));
+  if (x.dimensions().size() != 2 || x.dimensions()[0] != N)
+    return op_error(op, "x must be [" + std::to_string(N) + ", H], got " + shape_str(x));
+  const int64_t row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  if (row_bytes >= (int64_t{1} << 31)) return op_error(op, "x's rows must have fewer than 2^31 bytes");
+  if (recv_x.dimensions().size() != 2 || recv_x.dimensions()[0] != rows ||
+      recv_x.dimensions()[1] != x.dimensions()[1] || recv_x.element_type() != x.element_type())
+    return op_error(op, "recv_x must be [" + std::to_string(rows) + ", " + std::to_string(x.dimensions()[1]) +
+                            "] of x's dtype, got " + shape_str(recv_x));
+  const int64_t nw = w.element_count();
+  if (nw != 0 && nw != N * K) return op_error(op, "topk_weights must have N * K entries or none, got " + shape_str(w));
+  JE_CHECK(check(op, "topk_weights", w, {nw}, {DT::F32}));
+  JE_CHECK(check(op, "recv_topk_weights", recv_w, {nw ? rows : 0}, {DT::F32}));
   *shape = LocalLayoutShape{N, K, E, M, rows};
   return ffi::Error::Success();
 }

@@ -205,16 +205,22 @@ struct EpLocalScatterParams {
 // One launch on `stream`: N + ceil(rows / 8) CTAs (see ep_local.cu). No host sync.
 cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream);
 
-// The one-rank local path's expand layout (ep_local.cu; cpu::ep_local_layout is the rule, bit for bit), N * K in
-// [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N. It is also the dispatch's guard: the
-// routing's first bad entry is recorded as launch_ep_guard records it, and an id outside [0, E) is no entry.
-struct EpLocalLayoutParams {
+// The one-rank local path's expand dispatch (ep_local.cu): its layout (cpu::ep_local_layout is the rule, bit for bit),
+// rows and weights, N * K in [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N. It is also the
+// dispatch's guard: the routing's first bad entry is recorded as launch_ep_guard records it, and an id outside
+// [0, E) is no entry.
+struct EpLocalDispatchParams {
   const int32_t* topk = nullptr;   // [N, K]
   const int32_t* token = nullptr;  // 4 bytes, copied to token_out unless they are the same buffer
   int32_t* token_out = nullptr;
   ErrorRecord* err = nullptr;      // the member's error record
   int32_t rank = 0;
   int32_t N = 0, K = 0, E = 0, A = 1, M = 0, rows = 0;
+  const uint8_t* x = nullptr;      // [N, row_bytes]
+  uint8_t* recv_x = nullptr;       // [rows, row_bytes]: row r is x[its entry's token], zero without an entry
+  int64_t row_bytes = 0;
+  const uint32_t* w = nullptr;     // [N * K] float32 bits (nullptr: no weights)
+  uint32_t* recv_w = nullptr;      // [rows]: w[its entry], +0.0 without an entry (nullptr: no weights)
   int32_t* exp_row = nullptr;      // [N, K]
   int32_t* src_entry = nullptr;    // [rows]
   int32_t* src_tok = nullptr;      // [rows]
@@ -226,10 +232,11 @@ struct EpLocalLayoutParams {
   int32_t* num_recv = nullptr;     // [1]
 };
 
-// One launch on `stream`: CTAs that each compute the whole layout in shared memory (counts, scans, a stable block
-// radix sort of the entries by expert) and write their share of the outputs; CTA 0 also checks the routing and
-// copies the token (see ep_local.cu). No host sync.
-cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream);
+// One launch on `stream`: up to kEpLocalDispatchMaxCtas CTAs that each compute the whole layout in shared memory
+// (counts, scans, a stable block radix sort of the entries by expert), then write their share of the layout's
+// outputs, of the tokens' rows (each token's row read once) and of the padding rows; CTA 0 also checks the routing
+// and copies the token (see ep_local.cu). No host sync.
+cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.
 // `ce`: copy-engine rows (the peers' layout counters too); *peer_offset: where those start.

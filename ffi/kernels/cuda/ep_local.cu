@@ -1,16 +1,19 @@
-// The one-rank local path's kernels (jax_engram/_ep_local.py, expand layout): the layout and the row scatter.
+// The one-rank local path's kernels (jax_engram/_ep_local.py, expand layout): the dispatch of up to
+// kEpLocalLayoutMaxEntries entries, and the row scatter of larger and cached dispatches.
 //
-// The layout (ep.h EpLocalLayoutParams; the rule is cpu::ep_local_layout): at most kEpLocalLayoutMaxEntries entries,
-// so every CTA holds the whole layout in shared memory: counts per expert (shared atomics), the aligned and unaligned
-// segment starts (block scans), a stable block radix sort of the entries by expert (an entry's rank among its
-// expert's entries is its sorted position minus the expert's unaligned start), and the receive token order (a scan of
-// the tokens that have an expert). Each CTA then writes its share of one index space over every output, each element
-// computed from shared memory alone, so no CTA waits for another and one launch replaces the dozen small kernels
-// (scans, scatters, a sort) XLA makes of the same layout. The layout is also the dispatch's guard: CTA 0 checks the
-// routing as the guard's kernel does (ep_guard.cu) and records its first bad entry the same way, and copies the
-// token, so a dispatch of this size makes one call before its rows move instead of two.
+// The dispatch (ep.h EpLocalDispatchParams; the layout's rule is cpu::ep_local_layout): so few entries that every CTA
+// holds the whole layout in shared memory: counts per expert (shared atomics), the aligned and unaligned segment
+// starts (block scans), a stable block radix sort of the entries by expert (an entry's rank among its expert's
+// entries is its sorted position minus the expert's unaligned start), and the receive token order (a scan of the
+// tokens that have an expert). Each CTA then writes, from shared memory alone, its share of one index space over the
+// layout's outputs and the receive weights, the rows of its tokens (blockIdx.x, + gridDim.x, ...: each token's row
+// read once and written to each of its receive rows) and its share of the rows no entry fills (zeroed). No CTA waits
+// for another, and one launch replaces the dozen small kernels XLA makes of the same layout, the row scatter and the
+// weights' gather. The dispatch is also its own guard: CTA 0 checks the routing as the guard's kernel does
+// (ep_guard.cu), records its first bad entry the same way, and copies the token. So a small dispatch is one custom
+// call: in a loop of small ops the host's cost per custom call, more than the GPU time, sets the pace.
 //
-// The row scatter (ep.h EpLocalScatterParams): every
+// The row scatter (ep.h EpLocalScatterParams; cached dispatches, and layouts past the dispatch's size): every
 // token's row is read from HBM once and written to each of its receive rows, and the rows no entry fills are zeroed.
 // A gather of the receive rows (one read of x per written row) reads each token's row K times, and x is larger than
 // L2 at the shapes where bandwidth matters, so the scatter moves (1 + K) rows per token where the gather moves 2K.
@@ -41,7 +44,9 @@ constexpr int kLayoutItems = kEpLocalLayoutMaxEntries / kLayoutThreads;  // entr
 static_assert(kLayoutThreads * kLayoutItems == kEpLocalLayoutMaxEntries, "the sort holds every entry");
 static_assert(kEpMaxLocalExperts <= kEpLocalLayoutMaxEntries, "the scans hold every expert (of one rank)");
 constexpr int64_t kLayoutOutputsPerCta = 8192;
-constexpr int64_t kLayoutMaxCtas = 64;
+// Every CTA computes the whole layout (~10 us at T = 128 on one H100 CTA), so the grid stays within one wave: at most
+// this many CTAs, each taking N / grid tokens' rows.
+constexpr int64_t kLocalDispatchMaxCtas = 128;
 using LayoutSort = cub::BlockRadixSort<int32_t, kLayoutThreads, kLayoutItems, int32_t>;
 using LayoutScan = cub::BlockScan<int32_t, kLayoutThreads>;
 
@@ -85,7 +90,27 @@ __device__ int layout_first_bad_k(const int32_t* row, int K, int E) {
   return -1;
 }
 
-__global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLocalLayoutParams p) {
+// Token t's row to its receive rows dest[0, K) (-1: none), in words of V (all threads of the CTA).
+template <typename V>
+__device__ void copy_token_row(const EpLocalDispatchParams& p, int64_t t, const int32_t* dest, int K) {
+  const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const V* src = reinterpret_cast<const V*>(p.x + t * p.row_bytes);
+  for (int64_t w = threadIdx.x; w < words; w += kLayoutThreads) {
+    const V v = src[w];
+    for (int k = 0; k < K; ++k)
+      if (dest[k] >= 0) reinterpret_cast<V*>(p.recv_x + dest[k] * p.row_bytes)[w] = v;
+  }
+}
+
+template <typename V>
+__device__ void zero_row(const EpLocalDispatchParams& p, int64_t r) {
+  const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  V* row = reinterpret_cast<V*>(p.recv_x + r * p.row_bytes);
+  for (int64_t w = threadIdx.x; w < words; w += kLayoutThreads) row[w] = V{};
+}
+
+// vec16: rows move in 16-byte words (row_bytes and both row buffers allow it; else bytes).
+__global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const EpLocalDispatchParams p, bool vec16) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ LayoutScan::TempStorage scan_tmp;
   __shared__ unsigned long long sh_bad;  // CTA 0: the smallest (token << 6 | k) of a bad entry, ULLONG_MAX: none
@@ -160,6 +185,14 @@ __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLo
   __syncthreads();
   const int32_t num = layout_scan(pos, N, scan_tmp);
   const auto has_row = [&](int t) { return (t + 1 < N ? pos[t + 1] : num) > pos[t]; };
+  const auto segment_of = [&](int32_t r) {  // the last expert whose segment starts at or before row r
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  };
   for (int t = tid; t < N; t += kLayoutThreads)
     if (has_row(t)) tok[pos[t]] = t;
   __syncthreads();
@@ -189,15 +222,12 @@ __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLo
     i -= N;
     if (i < p.rows) {  // row r is in the segment of the last expert starting at or before it
       const int32_t r = static_cast<int32_t>(i);
-      int lo = 0, hi = E - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (start[mid] <= r) lo = mid; else hi = mid - 1;
-      }
-      const int32_t o = r - start[lo];
-      const int32_t j = o < cnt[lo] ? sorted[first[lo] + o] : n;  // past the expert's entries: alignment padding
+      const int e = segment_of(r);
+      const int32_t o = r - start[e];
+      const int32_t j = o < cnt[e] ? sorted[first[e] + o] : n;  // past the expert's entries: alignment padding
       p.src_entry[r] = j;
       p.src_tok[r] = j < n ? j / K : N;
+      if (p.recv_w) p.recv_w[r] = j < n ? p.w[j] : 0u;  // the weight's bits; +0.0 without an entry
       continue;
     }
     i -= p.rows;
@@ -220,6 +250,25 @@ __global__ void __launch_bounds__(kLayoutThreads) local_layout_kernel(const EpLo
       continue;
     }
     *p.num_recv = num;
+  }
+  if (p.row_bytes == 0) return;
+
+  // The rows of this CTA's tokens: every row has at most one entry, so exactly one token writes it.
+  __shared__ int32_t dest[kEpMaxTopk];
+  for (int t = blockIdx.x; t < N; t += gridDim.x) {
+    if (tid < K) {
+      const int32_t r = row_of[t * K + tid];
+      dest[tid] = r < p.rows ? r : -1;
+    }
+    __syncthreads();
+    if (vec16) copy_token_row<uint4>(p, t, dest, K); else copy_token_row<uint8_t>(p, t, dest, K);
+    __syncthreads();  // dest is rewritten for the next token
+  }
+  // This CTA's share of the rows no entry fills (alignment padding, and the rows past the last segment): zero.
+  for (int32_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const int e = segment_of(r);
+    if (r - start[e] < cnt[e]) continue;  // an entry's row: its token's CTA writes it
+    if (vec16) zero_row<uint4>(p, r); else zero_row<uint8_t>(p, r);
   }
 }
 
@@ -271,17 +320,21 @@ cudaError_t launch(const EpLocalScatterParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_ep_local_layout(const EpLocalLayoutParams& p, cudaStream_t stream) {
+cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(p.N) * p.K;
   if (p.K < 1 || p.K > kEpMaxTopk || n < 1 || n > kEpLocalLayoutMaxEntries || p.E < 1 || p.E > kEpMaxLocalExperts ||
-      p.A < 1 || p.M < p.N || p.rows < 0 || !p.topk || !p.token || !p.token_out || !p.err || !p.exp_row || !p.count || !p.aligned || !p.psum_expert ||
-      !p.meta || !p.dst_row || !p.num_recv || (p.rows > 0 && (!p.src_entry || !p.src_tok)))
+      p.A < 1 || p.M < p.N || p.rows < 0 || p.row_bytes < 0 || !p.topk || !p.token || !p.token_out || !p.err ||
+      !p.exp_row || !p.count || !p.aligned || !p.psum_expert || !p.meta || !p.dst_row || !p.num_recv ||
+      (p.rows > 0 && (!p.src_entry || !p.src_tok)) || (p.row_bytes > 0 && (!p.x || (p.rows > 0 && !p.recv_x))) ||
+      (!p.w != !p.recv_w))
     return cudaErrorInvalidValue;
   const size_t smem = layout_smem_bytes(p.E, static_cast<int>(n), p.N);
   const int64_t total = n + p.E + p.N + static_cast<int64_t>(p.rows) + static_cast<int64_t>(p.M) * (p.K + 2) + 1;
   int64_t grid = (total + kLayoutOutputsPerCta - 1) / kLayoutOutputsPerCta;
-  if (grid > kLayoutMaxCtas) grid = kLayoutMaxCtas;
-  local_layout_kernel<<<static_cast<unsigned>(grid), kLayoutThreads, smem, stream>>>(p);
+  if (p.row_bytes > 0 && grid < p.N) grid = p.N;  // a CTA per token up to the cap
+  if (grid > kLocalDispatchMaxCtas) grid = kLocalDispatchMaxCtas;
+  const bool vec16 = p.row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.recv_x)) % 16 == 0;
+  local_dispatch_kernel<<<static_cast<unsigned>(grid), kLayoutThreads, smem, stream>>>(p, vec16);
   return cudaGetLastError();
 }
 
