@@ -234,8 +234,9 @@ ffi::Error EpLocalDispatchCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuf
   a.num_recv = i32(num_recv);
   cpu::ep_local_layout(a);
   const int64_t row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  cpu::ep_local_scatter(static_cast<const uint8_t*>(x.untyped_data()), a.exp_row, a.src_tok,
-                        static_cast<uint8_t*>(recv_x->untyped_data()), sh.N, sh.K, sh.rows, row_bytes);
+  if (row_bytes > 0)  // zero-byte rows: nothing to move (and the buffers may have no address)
+    cpu::ep_local_scatter(static_cast<const uint8_t*>(x.untyped_data()), a.exp_row, a.src_tok,
+                          static_cast<uint8_t*>(recv_x->untyped_data()), sh.N, sh.K, sh.rows, row_bytes);
   if (w.element_count() != 0) {  // the weight of each row's entry, as bits; +0.0 without one
     const auto* wb = static_cast<const uint32_t*>(w.untyped_data());
     auto* out = static_cast<uint32_t*>(recv_w->untyped_data());

@@ -232,7 +232,7 @@ struct EpLocalDispatchParams {
   int32_t* num_recv = nullptr;     // [1]
 };
 
-// One launch on `stream`: up to kEpLocalDispatchMaxCtas CTAs that each compute the whole layout in shared memory
+// One launch on `stream`: up to 128 CTAs (one wave) that each compute the whole layout in shared memory
 // (counts, scans, a stable block radix sort of the entries by expert), then write their share of the layout's
 // outputs, of the tokens' rows (each token's row read once) and of the padding rows; CTA 0 also checks the routing
 // and copies the token (see ep_local.cu). No host sync.

@@ -60,7 +60,8 @@ constexpr size_t layout_smem_bytes(int E, int n, int N) {
                                      : sizeof(LayoutSort::TempStorage));
 }
 static_assert(layout_smem_bytes(kEpMaxLocalExperts, kEpLocalLayoutMaxEntries, kEpLocalLayoutMaxEntries) +
-                      sizeof(LayoutScan::TempStorage) <= 48 * 1024,
+                      sizeof(LayoutScan::TempStorage) + sizeof(unsigned long long) + kEpMaxTopk * sizeof(int32_t) <=
+                  48 * 1024,
               "the largest layout fits the default shared memory of a CTA");
 
 // The exclusive prefix sum of a[0, n) (shared memory, n <= kEpLocalLayoutMaxEntries) in place; returns the total.
@@ -261,12 +262,14 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
       dest[tid] = r < p.rows ? r : -1;
     }
     __syncthreads();
-    if (vec16) copy_token_row<uint4>(p, t, dest, K); else copy_token_row<uint8_t>(p, t, dest, K);
+    if (has_row(t)) {  // a token without an entry is not read (uniform over the CTA: no barrier inside)
+      if (vec16) copy_token_row<uint4>(p, t, dest, K); else copy_token_row<uint8_t>(p, t, dest, K);
+    }
     __syncthreads();  // dest is rewritten for the next token
   }
   // This CTA's share of the rows no entry fills (alignment padding, and the rows past the last segment): zero.
-  for (int32_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-    const int e = segment_of(r);
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {  // int64: r + gridDim.x may pass 2^31
+    const int e = segment_of(static_cast<int32_t>(r));
     if (r - start[e] < cnt[e]) continue;  // an entry's row: its token's CTA writes it
     if (vec16) zero_row<uint4>(p, r); else zero_row<uint8_t>(p, r);
   }
