@@ -20,9 +20,10 @@ namespace jax_engram {
 inline constexpr int kEpMaxTopk = 32;
 inline constexpr int kEpMaxLocalExperts = 256;
 inline constexpr int kEpMaxExperts = 2048;
-// A one-rank expand layout (the local path, jax_engram/_ep_local.py) of at most this many (token, k) entries is
-// computed by one native call, ep_local_layout (CPU kernel; CUDA: CTAs that each hold the whole layout in shared
-// memory); a larger one by the local path's stable sort in JAX.
+// A one-rank expand dispatch (the local path, jax_engram/_ep_local.py) of at most this many (token, k) entries is
+// one native call, jax_engram_ep_local_dispatch: its guard, its layout (the rule: cpu::ep_local_layout; on CUDA
+// every CTA holds the whole layout in shared memory), its rows and its weights. A larger one takes its layout from
+// the local path's stable sort in JAX, a cached one from its handle, and both move their rows with the row scatter.
 inline constexpr int kEpLocalLayoutMaxEntries = 2048;
 inline constexpr uint64_t kEpAlign = 128;  // every staging section starts on a 128-byte boundary
 

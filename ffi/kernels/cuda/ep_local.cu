@@ -44,8 +44,8 @@ constexpr int kLayoutItems = kEpLocalLayoutMaxEntries / kLayoutThreads;  // entr
 static_assert(kLayoutThreads * kLayoutItems == kEpLocalLayoutMaxEntries, "the sort holds every entry");
 static_assert(kEpMaxLocalExperts <= kEpLocalLayoutMaxEntries, "the scans hold every expert (of one rank)");
 constexpr int64_t kLayoutOutputsPerCta = 8192;
-// Every CTA computes the whole layout (~10 us at T = 128 on one H100 CTA), so the grid stays within one wave: at most
-// this many CTAs, each taking N / grid tokens' rows.
+// Every CTA computes the whole layout before it moves a row, so a second wave of CTAs would pay that time again: the
+// grid stays within one wave, at most this many CTAs, each taking N / grid tokens' rows.
 constexpr int64_t kLocalDispatchMaxCtas = 128;
 using LayoutSort = cub::BlockRadixSort<int32_t, kLayoutThreads, kLayoutItems, int32_t>;
 using LayoutScan = cub::BlockScan<int32_t, kLayoutThreads>;
