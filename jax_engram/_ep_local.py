@@ -3,10 +3,10 @@ small native calls for the expand layout).
 
 At one rank nothing crosses a link: every token's destination is the rank itself, so dispatch moves x's rows into
 the documented receive layout and combine is a gather (non-expand) or a gather-and-sum (expand) back. Non-expand
-rows are a gather. An expand dispatch of up to ``_NATIVE_LAYOUT_MAX_ENTRIES`` (token, k) entries is one native call
-(``jax_engram_ep_local_dispatch``: the layout, the rows, each token's row read once, and the weights); above that
-size, and for a cached dispatch, the layout comes from a stable sort by expert (or the handle) and the rows from a
-native scatter (``jax_engram_ep_local_scatter``) that reads each token's row once. This
+rows are a gather. A fresh expand dispatch is one native call (``jax_engram_ep_local_dispatch``: the layout, the
+rows, each token's row read once, and the weights); a cached one takes its layout from the handle and its rows from a
+native scatter (``jax_engram_ep_local_scatter``) that reads each token's row once. The expand layout of
+:func:`_routing` (a stable sort by expert in JAX) is the same layout, which the tests compare the call with. This
 module computes exactly the layouts, handle fields and sums of docs/semantics.md ("MoE dispatch", "MoE combine",
 "Gradients") with sorts, prefix sums, gathers and scatters of static worst-case shapes: no staging region (the
 context's memory needs do not change), no host synchronisation, no recompilation when counts change.
@@ -56,11 +56,12 @@ import numpy as np
 
 from jax_engram import _call, _ep_flat
 from jax_engram._ep_guard import applies, guard_call
-from jax_engram._ep_types import LOCAL_LAYOUT_MAX_ENTRIES
+from jax_engram._ep_types import local_dispatch_scratch_words
 
-# Expand dispatches of at most this many (token, k) entries are one native call (jax_engram_ep_local_dispatch: the
-# guard, the whole layout, the rows and the weights), larger ones a stable sort by expert here and the row scatter.
-_NATIVE_LAYOUT_MAX_ENTRIES = LOCAL_LAYOUT_MAX_ENTRIES
+# Fresh expand dispatches of up to this many (token, k) entries (every layout the native calls' int32 rows allow) are
+# one native call (jax_engram_ep_local_dispatch: the guard, the whole layout, the rows and the weights). The tests
+# lower it to 0 to run the stable sort of _routing and the row scatter instead, and compare the two.
+_NATIVE_LAYOUT_MAX_ENTRIES = (1 << 31) - 1
 _NEG_ZERO = -0.0  # the exact additive identity: -0.0 + v == v for every v, so a fold may start from it
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -189,14 +190,15 @@ def _dispatch_call(cfg, token, topk_idx, x, w):
     token = _call.vary(token, axes)
     t = _call.vary(topk_idx.astype(i32), axes)
     w_flat = w.reshape(-1)
-    shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
+    shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,),
+              (local_dispatch_scratch_words(N, K, E),))
     results = [_call.like(token), _call.like(x, (rows, x.shape[1])), _call.like(w_flat, (rows if w.size else 0,))]
     graph = ctx.cuda_graphs and ctx.platform != "cpu"  # as the guard: the graph target where XLA may capture it
-    (token, recv_x, recv_w, exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row,
-     num_recv1) = _call.call(ctx, "jax_engram_ep_local_dispatch_graph" if graph else "jax_engram_ep_local_dispatch",
+    (token, recv_x, recv_w, exp_row, src_entry, src_tok, count, aligned, psum_expert, meta, dst_row, num_recv1,
+     scratch) = _call.call(ctx, "jax_engram_ep_local_dispatch_graph" if graph else "jax_engram_ep_local_dispatch",
                              results + [_call.like(t, s, i32) for s in shapes], token, t, x, w_flat,
                              input_output_aliases={0: 0}, expert_alignment=cfg.expert_alignment)
-    del exp_row, src_entry  # the handle's metadata holds the receive rows
+    del exp_row, src_entry, scratch  # the handle's metadata holds the receive rows
     handle = (jnp.full((0, K), -1, i32), num_recv1, psum_expert, count, meta, dst_row, num_recv1[0], aligned)
     return token, handle, src_tok, recv_x, recv_w
 

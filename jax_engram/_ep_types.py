@@ -26,9 +26,13 @@ _layout = _ffi.native("cpu")
 MAX_TOPK: int = _layout.ep_limits["max_topk"]
 MAX_LOCAL_EXPERTS: int = _layout.ep_limits["max_local_experts"]
 MAX_EXPERTS: int = _layout.ep_limits["max_experts"]
-LOCAL_LAYOUT_MAX_ENTRIES: int = _layout.ep_limits["local_layout_max_entries"]  # one-rank expand layouts natively
 BAD_DUPLICATE_EXPERT: int = _layout.ep_bad_kinds["duplicate_expert"]  # EpBadKind of a routing record
 BAD_EXPERT_RANGE: int = _layout.ep_bad_kinds["expert_range"]
+
+
+def local_dispatch_scratch_words(num_tokens: int, topk: int, num_experts: int) -> int:
+    """int32 words of the one-rank dispatch call's scratch (ep_local_dispatch_scratch_words; 0: none)."""
+    return int(_layout.ep_local_dispatch_scratch_words(num_tokens, topk, num_experts))
 
 
 def expand_rows(R: int, M: int, K: int, E_loc: int, A: int) -> int:

@@ -152,8 +152,8 @@ def _compare_handle(a, b, c, token_ok, tag):
 
 @pytest.mark.parametrize("ranking", ["native", "sort"])
 def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypatch):
-    """``ranking``: how the expand layout is computed (_ep_local._NATIVE_LAYOUT_MAX_ENTRIES): these cases are small
-    enough for the native dispatch call; "sort" forces the stable sort in JAX that larger layouts take."""
+    """``ranking``: how the expand layout is computed (_ep_local._NATIVE_LAYOUT_MAX_ENTRIES): "native" the dispatch
+    call, "sort" the stable sort in JAX and the row scatter (the same layout, computed another way)."""
     from jax_engram import _ep_local
     if ranking == "sort":
         monkeypatch.setattr(_ep_local, "_NATIVE_LAYOUT_MAX_ENTRIES", 0)
@@ -209,18 +209,23 @@ def test_one_rank_path_matches_native_and_reference(contexts, ranking, monkeypat
     assert ran == CASES
 
 
-# (N, K, E, expert_alignment, M): the dispatch call's extremes (jax_engram_ep_local_dispatch; CUDA ep_local.cu): every
-# entry, token and expert its shared memory holds (top-1), top-32 of the most experts one rank has, a wide alignment and
-# M > N, the bench's T = 128 shape, one entry
+# (N, K, E, expert_alignment, M): the dispatch call's extremes (jax_engram_ep_local_dispatch; CUDA ep_local.cu). One
+# kernel: every entry, token and expert its shared memory holds (top-1), top-32 of the most experts one rank has, a
+# wide alignment and M > N, the bench's T = 128 shape, one entry. Chunked (above 2048 entries, chunks of whole tokens
+# of at most 2048 entries): one entry past the kernel's (two chunks, the second of one token), the bench's largest
+# shape (16 chunks), top-32 in chunks of 64 tokens with a wide alignment and M > N, one expert (every entry in one
+# segment across 3 chunks), a last chunk of one token.
 _LAYOUT_LIMITS = [(2048, 1, 256, 1, 2048), (64, 32, 256, 4, 64), (256, 8, 256, 128, 300), (128, 8, 256, 1, 128),
-                  (1, 1, 1, 1, 1)]
+                  (1, 1, 1, 1, 1),
+                  (2049, 1, 7, 3, 2100), (4096, 8, 256, 1, 4096), (300, 32, 256, 128, 333), (5000, 1, 1, 1, 5000),
+                  (1025, 4, 64, 8, 1025)]
 
 
 @pytest.mark.parametrize("N,K,E,A,M", _LAYOUT_LIMITS)
 def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, monkeypatch):
-    """The dispatch call against the stable sort and row scatter of larger layouts (which the seeded cases compare
-    with the reference), every handle array and receive array bit for bit (padding rows included), at the sizes
-    where the kernel's limits are."""
+    """The dispatch call against the stable sort in JAX and the row scatter (which the seeded cases compare with the
+    reference), every handle array and receive array bit for bit (padding rows included), at the sizes where the
+    kernels' limits are."""
     from jax_engram import _ep_local
     mesh, local, _ = contexts
     rng = np.random.default_rng(N * 7919 + K * 131 + E)
@@ -257,7 +262,7 @@ def test_native_layout_refuses_layouts_past_int32(contexts, alignment, words):
     rows = 16
 
     def body(t):
-        shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,))
+        shapes = ((N, K), (rows,), (rows,), (E,), (E,), (E,), (M, K + 2), (N, 1), (1,), (0,))  # no scratch: 6 entries
         token, x, w = jnp.zeros((), jnp.int32), jnp.zeros((N, 16), jnp.bfloat16), jnp.zeros((N * K,), jnp.float32)
         results = [_call.like(token), _call.like(x, (rows, 16)), _call.like(w, (rows,))]
         return _call.call(local, "jax_engram_ep_local_dispatch",
@@ -439,7 +444,7 @@ def test_one_rank_bad_routing_fails_as_the_kernels_fail(contexts, name):
     mesh = contexts[0]
     N, K, E, bad, words = _BAD[name]
     idx = _routing(N, K, E, bad)
-    # expand: the dispatch call checks the routing itself up to 2048 entries ("wide": the guard, then the sort)
+    # expand: the dispatch call checks the routing itself ("wide": 42,000 entries, the chunked kernels on CUDA)
     expand = name in ("first_of_several", "wide", "duplicate", "range_before_duplicate", "top32")
     got = _bad_routing_outcomes(mesh, "local", N, K, E, idx, expand)
     want = _bad_routing_outcomes(mesh, "kernels", N, K, E, idx, expand)

@@ -205,7 +205,7 @@ ffi::Error EpLocalScatterCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer d
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand dispatch of up to kEpLocalLayoutMaxEntries entries, which is also its own guard:
+// The one-rank local path's expand dispatch, which is also its own guard (the scratch is CUDA's alone):
 // refuses a closed or failed context, checks the routing as the guard does (failing with the dispatch's error,
 // recorded the same way), then computes the layout (kernels/cpu/ep.cc ep_local_layout), moves the rows
 // (ep_local_scatter) and gathers the weights, and passes the token on.
@@ -216,12 +216,14 @@ ffi::Error EpLocalDispatchCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuf
                               ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
                               ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
                               ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
-                              ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
+                              ffi::Result<ffi::AnyBuffer> num_recv, ffi::Result<ffi::AnyBuffer> scratch, int64_t ctx_id,
+                               int64_t alignment) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok()) return s.error();
   LocalLayoutShape sh;
   JE_CHECK(check_local_dispatch(kOpEpDispatch, token, *token_out, topk, x, w, *recv_x, *recv_w, *exp_row, *src_entry,
-                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
+                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, *scratch,
+                                alignment, &sh));
   copy_token(token, *token_out);
   const auto* ids = static_cast<const int32_t*>(topk.untyped_data());
   if (!cpu::ep_guard(s.member(), ids, sh.N, sh.K, sh.E)) return finish(s, sh.E);

@@ -362,7 +362,7 @@ ffi::Error EpLocalScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// The one-rank local path's expand dispatch of up to kEpLocalLayoutMaxEntries entries (kernels/cuda/ep_local.cu),
+// The one-rank local path's expand dispatch (kernels/cuda/ep_local.cu),
 // which is also its own guard: refuses a closed or failed context as the guard's handler does, and its kernel
 // records the routing's first bad entry as the guard's kernel does (the next op or ctx.check() reports it). kGraph:
 // the target XLA may capture in a CUDA graph (cuda_graphs=True), as the guard's.
@@ -374,13 +374,15 @@ ffi::Error EpLocalDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::Result<ffi::AnyBuffer> src_tok, ffi::Result<ffi::AnyBuffer> count,
                                ffi::Result<ffi::AnyBuffer> aligned, ffi::Result<ffi::AnyBuffer> psum_expert,
                                ffi::Result<ffi::AnyBuffer> meta, ffi::Result<ffi::AnyBuffer> dst_row,
-                               ffi::Result<ffi::AnyBuffer> num_recv, int64_t ctx_id, int64_t alignment) {
+                               ffi::Result<ffi::AnyBuffer> num_recv, ffi::Result<ffi::AnyBuffer> scratch, int64_t ctx_id,
+                               int64_t alignment) {
   MemberScope s(ctx_id, ordinal, kOpEpDispatch);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   LocalLayoutShape sh;
   JE_CHECK(check_local_dispatch(kOpEpDispatch, token, *token_out, topk, x, w, *recv_x, *recv_w, *exp_row, *src_entry,
-                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, alignment, &sh));
+                                *src_tok, *count, *aligned, *psum_expert, *meta, *dst_row, *num_recv, *scratch,
+                                alignment, &sh));
   const auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<int32_t*>(b->untyped_data()); };
   EpLocalDispatchParams p;
   p.topk = static_cast<const int32_t*>(topk.untyped_data());
@@ -400,6 +402,8 @@ ffi::Error EpLocalDispatchCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   p.exp_row = i32(exp_row), p.src_entry = i32(src_entry), p.src_tok = i32(src_tok), p.count = i32(count);
   p.aligned = i32(aligned), p.psum_expert = i32(psum_expert), p.meta = i32(meta), p.dst_row = i32(dst_row);
   p.num_recv = i32(num_recv);
+  p.scratch = i32(scratch);
+  p.scratch_words = scratch->element_count();
   CudaDeviceGuard g(ordinal);
   if (g.status() != cudaSuccess) return cuda_failure(kOpEpDispatch, "cudaSetDevice", g.status());
   JE_CHECK(note_capture(m, stream, kGraph, kOpEpDispatch, kCaptureGuard));

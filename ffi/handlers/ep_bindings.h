@@ -179,6 +179,7 @@ auto bind_ep_local_dispatch(B&& b) {
       .template Ret<ffi::AnyBuffer>()  // meta
       .template Ret<ffi::AnyBuffer>()  // dst_row
       .template Ret<ffi::AnyBuffer>()  // num_recv
+      .template Ret<ffi::AnyBuffer>()  // scratch
       .template Attr<int64_t>("ctx_id")
       .template Attr<int64_t>("expert_alignment");
 }

@@ -325,11 +325,11 @@ inline ffi::Error check_local_scatter(int32_t op, const ffi::AnyBuffer& x, const
   return ffi::Error::Success();
 }
 
-// The local expand dispatch (bind_ep_local_dispatch): the token pair, topk [N, K] s32 with 1 <= N * K <= kEpLocalLayoutMaxEntries, E in
-// [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows, metadata entries and layout
-// rows (N * K + (A - 1) * E); x [N, H] and recv_x [rows, H] of one dtype, fewer than 2^31 bytes per row; w [N * K]
-// float32 with recv_w [rows], or both [0] (no weights); every layout output int32 of its documented shape. Returns
-// the sizes.
+// The local expand dispatch (bind_ep_local_dispatch): the token pair, topk [N, K] s32 with 1 <= N * K < 2^31 and
+// K <= kEpMaxTopk, E in [1, kEpMaxLocalExperts] (one rank holds every expert), M >= N, fewer than 2^31 rows, metadata
+// entries and layout rows (N * K + (A - 1) * E); x [N, H] and recv_x [rows, H] of one dtype, fewer than 2^31 bytes per
+// row; w [N * K] float32 with recv_w [rows], or both [0] (no weights); every layout output int32 of its documented
+// shape; scratch s32 [ep_local_dispatch_scratch_words(N, K, E)]. Returns the sizes.
 struct LocalLayoutShape {
   int64_t N = 0, K = 0, E = 0, M = 0, rows = 0;
 };
@@ -340,14 +340,14 @@ inline ffi::Error check_local_dispatch(int32_t op, const ffi::AnyBuffer& token, 
                                      const ffi::AnyBuffer& src_entry, const ffi::AnyBuffer& src_tok,
                                      const ffi::AnyBuffer& count, const ffi::AnyBuffer& aligned,
                                      const ffi::AnyBuffer& psum_expert, const ffi::AnyBuffer& meta,
-                                     const ffi::AnyBuffer& dst_row, const ffi::AnyBuffer& num_recv, int64_t alignment,
-                                     LocalLayoutShape* shape) {
+                                     const ffi::AnyBuffer& dst_row, const ffi::AnyBuffer& num_recv,
+                                     const ffi::AnyBuffer& scratch, int64_t alignment, LocalLayoutShape* shape) {
   if (topk.dimensions().size() != 2) return op_error(op, "topk_idx must be 2-D [N, K], got " + shape_str(topk));
   const int64_t N = topk.dimensions()[0], K = topk.dimensions()[1];
   JE_CHECK(check(op, "topk_idx", topk, {N, K}, {DT::S32}));
-  if (N * K < 1 || N * K > kEpLocalLayoutMaxEntries || K > kEpMaxTopk)
-    return op_error(op, "the local layout takes 1 to " + std::to_string(kEpLocalLayoutMaxEntries) +
-                            " entries of top-k <= " + std::to_string(kEpMaxTopk) + ", got " + shape_str(topk));
+  if (N * K < 1 || N * K >= (int64_t{1} << 31) || K > kEpMaxTopk)
+    return op_error(op, "the local layout takes 1 to 2^31 - 1 entries of top-k <= " + std::to_string(kEpMaxTopk) +
+                            ", got " + shape_str(topk));
   if (count.dimensions().size() != 1) return op_error(op, "the counts must be 1-D [E], got " + shape_str(count));
   const int64_t E = count.dimensions()[0];
   if (E < 1 || E > kEpMaxLocalExperts)
@@ -378,6 +378,7 @@ inline ffi::Error check_local_dispatch(int32_t op, const ffi::AnyBuffer& token, 
   JE_CHECK(check(op, "recv_src_metadata", meta, {M, K + 2}, {DT::S32}));
   JE_CHECK(check(op, "dst_row", dst_row, {N, 1}, {DT::S32}));
   JE_CHECK(check(op, "num_recv_tokens", num_recv, {1}, {DT::S32}));
+  JE_CHECK(check(op, "the dispatch's scratch", scratch, {ep_local_dispatch_scratch_words(N, K, E)}, {DT::S32}));
   JE_CHECK(check_token(op, token, token_out));
   if (x.dimensions().size() != 2 || x.dimensions()[0] != N)
     return op_error(op, "x must be [" + std::to_string(N) + ", H], got " + shape_str(x));

@@ -76,6 +76,10 @@ void bind_runtime(nb::module_& m, const char* platform) {
     return ep_rows(expand, R, M, K, E_loc, A);
   }, nb::arg("expand"), nb::arg("ranks"), nb::arg("max_tokens_per_rank"), nb::arg("topk"),
      nb::arg("num_local_experts"), nb::arg("alignment"), "Rows of a dispatch's receive layout (ep_rows).");
+  m.def("ep_local_dispatch_scratch_words", [](int64_t N, int64_t K, int64_t E) {
+    return ep_local_dispatch_scratch_words(N, K, E);
+  }, nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"),
+     "int32 words of the one-rank dispatch call's scratch (ep_local_dispatch_scratch_words; 0: none).");
   {
     nb::dict lim;
     lim["max_topk"] = kEpMaxTopk;

@@ -20,10 +20,12 @@ namespace jax_engram {
 inline constexpr int kEpMaxTopk = 32;
 inline constexpr int kEpMaxLocalExperts = 256;
 inline constexpr int kEpMaxExperts = 2048;
-// A one-rank expand dispatch (the local path, jax_engram/_ep_local.py) of at most this many (token, k) entries is
-// one native call, jax_engram_ep_local_dispatch: its guard, its layout (the rule: cpu::ep_local_layout; on CUDA
-// every CTA holds the whole layout in shared memory), its rows and its weights. A larger one takes its layout from
-// the local path's stable sort in JAX, a cached one from its handle, and both move their rows with the row scatter.
+// A fresh one-rank expand dispatch (the local path, jax_engram/_ep_local.py) is one native call,
+// jax_engram_ep_local_dispatch: its guard, its layout (the rule: cpu::ep_local_layout), its rows and its weights. On
+// CUDA a dispatch of at most this many (token, k) entries is one kernel whose every CTA holds the whole layout in
+// shared memory; a larger one works in chunks of whole tokens of at most this many entries (ep_local_chunk_tokens)
+// with an int32 scratch buffer (ep_local_dispatch_scratch_words). A cached dispatch takes its layout from its handle
+// and moves its rows with the row scatter.
 inline constexpr int kEpLocalLayoutMaxEntries = 2048;
 inline constexpr uint64_t kEpAlign = 128;  // every staging section starts on a 128-byte boundary
 
@@ -108,6 +110,21 @@ JE_HD int64_t ep_rows_nonexpand(int64_t R, int64_t M) { return R * M; }
 // Rows of the expand receive layout: align(R*M*min(K,E_loc) + (A-1)*E_loc, A).
 JE_HD int64_t ep_rows_expand(int64_t R, int64_t M, int64_t K, int64_t E_loc, int64_t A) {
   return ep_align(R * M * ep_min(K, E_loc) + (A - 1) * E_loc, A);
+}
+// The large one-rank dispatch's chunks: whole tokens, at most kEpLocalLayoutMaxEntries entries each (K <= 32: at least
+// 64 tokens a chunk).
+JE_HD int64_t ep_local_chunk_tokens(int64_t K) { return kEpLocalLayoutMaxEntries / (K < 1 ? 1 : K); }
+JE_HD int64_t ep_local_chunks(int64_t N, int64_t K) {
+  const int64_t T = ep_local_chunk_tokens(K);
+  return (N + T - 1) / T;
+}
+// int32 words of the large one-rank dispatch's scratch (0 for one of at most kEpLocalLayoutMaxEntries entries): the
+// routing's first bad entry (2 words, 8-byte aligned), the aligned segment start of every expert [E], the tokens with
+// an entry before each chunk [C], and each chunk's entries per expert before it [C, E].
+JE_HD int64_t ep_local_dispatch_scratch_words(int64_t N, int64_t K, int64_t E) {
+  if (N * K <= kEpLocalLayoutMaxEntries) return 0;
+  const int64_t C = ep_local_chunks(N, K);
+  return 2 + E + C + C * E;
 }
 JE_HD int64_t ep_rows(bool expand, int64_t R, int64_t M, int64_t K, int64_t E_loc, int64_t A) {
   return expand ? ep_rows_expand(R, M, K, E_loc, A) : ep_rows_nonexpand(R, M);

@@ -206,9 +206,9 @@ struct EpLocalScatterParams {
 cudaError_t launch_ep_local_scatter(const EpLocalScatterParams& p, cudaStream_t stream);
 
 // The one-rank local path's expand dispatch (ep_local.cu): its layout (cpu::ep_local_layout is the rule, bit for bit),
-// rows and weights, N * K in [1, kEpLocalLayoutMaxEntries], E <= kEpMaxLocalExperts (one rank), M >= N. It is also the
-// dispatch's guard: the routing's first bad entry is recorded as launch_ep_guard records it, and an id outside
-// [0, E) is no entry.
+// rows and weights, N * K in [1, 2^31), E <= kEpMaxLocalExperts (one rank), M >= N. It is also the dispatch's guard:
+// the routing's first bad entry is recorded as launch_ep_guard records it, and an id outside [0, E) is no entry.
+// Above kEpLocalLayoutMaxEntries entries it needs `scratch` of ep_local_dispatch_scratch_words(N, K, E) int32 words.
 struct EpLocalDispatchParams {
   const int32_t* topk = nullptr;   // [N, K]
   const int32_t* token = nullptr;  // 4 bytes, copied to token_out unless they are the same buffer
@@ -230,12 +230,16 @@ struct EpLocalDispatchParams {
   int32_t* meta = nullptr;         // [M, K + 2]
   int32_t* dst_row = nullptr;      // [N]
   int32_t* num_recv = nullptr;     // [1]
+  int32_t* scratch = nullptr;      // [scratch_words], above kEpLocalLayoutMaxEntries entries
+  int64_t scratch_words = 0;
 };
 
-// One launch on `stream`: up to 128 CTAs (one wave) that each compute the whole layout in shared memory
-// (counts, scans, a stable block radix sort of the entries by expert), then write their share of the layout's
-// outputs, of the tokens' rows (each token's row read once) and of the padding rows; CTA 0 also checks the routing
-// and copies the token (see ep_local.cu). No host sync.
+// At most kEpLocalLayoutMaxEntries entries: one launch on `stream`, up to 128 CTAs (one wave) that each compute the
+// whole layout in shared memory (counts, scans, a stable block radix sort of the entries by expert), then write their
+// share of the layout's outputs, of the tokens' rows (each token's row read once) and of the padding rows; CTA 0 also
+// checks the routing and copies the token. Above it: a memset and five launches over chunks of whole tokens (counts
+// per chunk, one CTA's scans, each chunk's sort and placement, the padding rows, the row scatter). See ep_local.cu.
+// No host sync.
 cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_t stream);
 
 // Shared memory the dispatch needs for a config (for validation in the handler): bytes, or -1 if impossible.

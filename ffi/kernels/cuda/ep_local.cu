@@ -1,5 +1,5 @@
-// The one-rank local path's kernels (jax_engram/_ep_local.py, expand layout): the dispatch of up to
-// kEpLocalLayoutMaxEntries entries, and the row scatter of larger and cached dispatches.
+// The one-rank local path's kernels (jax_engram/_ep_local.py, expand layout): the dispatch (one kernel up to
+// kEpLocalLayoutMaxEntries entries, chunked kernels above), and the row scatter of large and cached dispatches.
 //
 // The dispatch (ep.h EpLocalDispatchParams; the layout's rule is cpu::ep_local_layout): so few entries that every CTA
 // holds the whole layout in shared memory: counts per expert (shared atomics), the aligned and unaligned segment
@@ -13,7 +13,7 @@
 // (ep_guard.cu), records its first bad entry the same way, and copies the token. So a small dispatch is one custom
 // call: in a loop of small ops the host's cost per custom call, more than the GPU time, sets the pace.
 //
-// The row scatter (ep.h EpLocalScatterParams; cached dispatches, and layouts past the dispatch's size): every
+// The row scatter (ep.h EpLocalScatterParams; cached dispatches, and the rows of a large dispatch): every
 // token's row is read from HBM once and written to each of its receive rows, and the rows no entry fills are zeroed.
 // A gather of the receive rows (one read of x per written row) reads each token's row K times, and x is larger than
 // L2 at the shapes where bandwidth matters, so the scatter moves (1 + K) rows per token where the gather moves 2K.
@@ -275,6 +275,240 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
   }
 }
 
+// ----------------------------------------------------------------------------------------------- large dispatch
+// Above kEpLocalLayoutMaxEntries entries no CTA can hold the whole layout. The entries are cut into chunks of whole
+// tokens of at most kEpLocalLayoutMaxEntries entries (ep_local_chunk_tokens), and four kernels compute the same layout
+// as the small kernel, bit for bit: (1) per chunk, the entries per expert, the tokens with an entry and the first bad
+// entry of the routing; (2) one CTA turns those into each chunk's offsets (per expert and per token) and writes the
+// per-expert outputs, the receive token count and the guard's record; (3) per chunk, a stable block radix sort of its
+// entries by expert places each at row start[e] + (entries of e in earlier chunks) + (its rank within the chunk), which
+// is its rank among all of e's entries in (token, k) order, and writes its row's source, weight and metadata; (4) the
+// rows no entry fills (alignment padding, and rows past the last segment) get no source, and metadata rows past the
+// receive count -1. The rows then move with the row scatter below.
+struct LargeScratch {
+  unsigned long long* bad;  // the smallest (token << 6 | k) of a bad entry, ULLONG_MAX: none (memset before (1))
+  int32_t* start;           // [E] aligned segment starts
+  int32_t* tok_before;      // [C] (1): tokens with an entry in the chunk; (2) on: in the chunks before it
+  int32_t* before;          // [C, E] (1): the chunk's entries of expert e; (2) on: e's entries in earlier chunks
+  int64_t C, T;             // chunks, tokens per chunk
+};
+
+__host__ __device__ inline LargeScratch large_scratch(const EpLocalDispatchParams& p) {
+  LargeScratch s;
+  s.bad = reinterpret_cast<unsigned long long*>(p.scratch);
+  s.start = p.scratch + 2;
+  s.T = ep_local_chunk_tokens(p.K);
+  s.C = ep_local_chunks(p.N, p.K);
+  s.tok_before = s.start + p.E;
+  s.before = s.tok_before + s.C;
+  return s;
+}
+
+// The last expert whose segment starts at or before row r (start: ascending, E entries).
+__device__ inline int segment_of_row(const int32_t* start, int E, int32_t r) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// (1) One CTA per chunk.
+__global__ void __launch_bounds__(kLayoutThreads) large_count_kernel(const EpLocalDispatchParams p) {
+  __shared__ int32_t cnt[kEpMaxLocalExperts];
+  __shared__ int32_t has_n;
+  __shared__ unsigned long long sh_bad;
+  const LargeScratch s = large_scratch(p);
+  const int K = p.K, E = p.E, tid = threadIdx.x;
+  const int64_t c = blockIdx.x, t0 = c * s.T, t1 = t0 + s.T < p.N ? t0 + s.T : p.N;
+  for (int e = tid; e < E; e += kLayoutThreads) cnt[e] = 0;
+  if (tid == 0) {
+    has_n = 0;
+    sh_bad = ULLONG_MAX;
+    if (c == 0 && p.token_out != p.token) *p.token_out = *p.token;
+  }
+  __syncthreads();
+  for (int64_t t = t0 + tid; t < t1; t += kLayoutThreads) {  // a thread per token: its K entries
+    const int32_t* row = p.topk + t * K;
+    const int bad_k = layout_first_bad_k(row, K, E);
+    if (bad_k >= 0) atomicMin(&sh_bad, (static_cast<unsigned long long>(t) << 6) | static_cast<unsigned>(bad_k));
+    int has = 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t id = row[k];
+      if (id >= 0 && id < E) {  // an id outside [0, E) is no entry; a duplicate is an entry like any other
+        atomicAdd(&cnt[id], 1);
+        has = 1;
+      }
+    }
+    if (has) atomicAdd(&has_n, 1);
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kLayoutThreads) s.before[c * E + e] = cnt[e];
+  if (tid == 0) {
+    s.tok_before[c] = has_n;
+    if (sh_bad != ULLONG_MAX) atomicMin(s.bad, sh_bad);
+  }
+}
+
+// (2) One CTA.
+__global__ void __launch_bounds__(kLayoutThreads) large_scan_kernel(const EpLocalDispatchParams p) {
+  __shared__ LayoutScan::TempStorage scan_tmp;
+  __shared__ int32_t cnt[kEpMaxLocalExperts];
+  __shared__ int32_t start[kEpMaxLocalExperts];
+  const LargeScratch s = large_scratch(p);
+  const int E = p.E, tid = threadIdx.x;
+  for (int e = tid; e < E; e += kLayoutThreads) {  // per expert: an exclusive scan over the chunks
+    int32_t run = 0;
+    for (int64_t c = 0; c < s.C; ++c) {
+      const int32_t v = s.before[c * E + e];
+      s.before[c * E + e] = run;
+      run += v;
+    }
+    cnt[e] = run;
+    start[e] = static_cast<int32_t>(ep_align(run, p.A));
+  }
+  __syncthreads();
+  layout_scan(start, E, scan_tmp);
+  for (int e = tid; e < E; e += kLayoutThreads) {
+    s.start[e] = start[e];
+    p.count[e] = cnt[e];
+    p.aligned[e] = static_cast<int32_t>(ep_align(cnt[e], p.A));
+    p.psum_expert[e] = start[e] + cnt[e];
+  }
+  // Tokens with an entry before each chunk: each thread sums a run of chunks, a block scan offsets the runs.
+  const int64_t per = (s.C + kLayoutThreads - 1) / kLayoutThreads;
+  const int64_t b0 = tid * per < s.C ? tid * per : s.C, b1 = b0 + per < s.C ? b0 + per : s.C;
+  int32_t sum = 0;
+  for (int64_t i = b0; i < b1; ++i) sum += s.tok_before[i];
+  int32_t off, total;
+  LayoutScan(scan_tmp).ExclusiveSum(sum, off, total);
+  for (int64_t i = b0; i < b1; ++i) {
+    const int32_t v = s.tok_before[i];
+    s.tok_before[i] = off;
+    off += v;
+  }
+  if (tid == 0) {
+    *p.num_recv = total;
+    const unsigned long long bad = *s.bad;
+    if (bad != ULLONG_MAX) {  // recorded exactly as the small kernel (and the guard) records it
+      const int64_t bt = static_cast<int64_t>(bad >> 6);
+      const int bad_id = p.topk[bt * p.K + static_cast<int>(bad & 63)];
+      const int kind = (bad_id < -1 || bad_id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+      cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0,
+                                ep_bad_detail(bt, kind));
+    }
+  }
+}
+
+// (3) One CTA per chunk; dynamic shared memory as the small kernel's (layout_smem_bytes).
+__global__ void __launch_bounds__(kLayoutThreads) large_place_kernel(const EpLocalDispatchParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ LayoutScan::TempStorage scan_tmp;
+  const LargeScratch s = large_scratch(p);
+  const int K = p.K, E = p.E, W = K + 2, tid = threadIdx.x;
+  const int64_t c = blockIdx.x, t0 = c * s.T, t1 = t0 + s.T < p.N ? t0 + s.T : p.N, j0 = t0 * K;
+  const int nt = static_cast<int>(t1 - t0), nc = nt * K;  // tokens and entries of the chunk (nc <= the sort's)
+  int32_t* cnt = reinterpret_cast<int32_t*>(smem);  // [E] the chunk's entries per expert
+  int32_t* first = cnt + E;                         // [E] e's first position in the chunk's sorted order
+  int32_t* base = first + E;                        // [E] the row of the chunk's first entry of e
+  unsigned char* rest = smem + layout_head_bytes(E);
+  auto& sort_tmp = *reinterpret_cast<LayoutSort::TempStorage*>(rest);
+  int32_t* row_of = reinterpret_cast<int32_t*>(rest);  // [nc] after the sort: the row of each entry, -1: none
+  int32_t* pos = row_of + nc;                          // [nt] the chunk's receive token rows (exclusive scan)
+
+  for (int e = tid; e < E; e += kLayoutThreads) cnt[e] = 0;
+  __syncthreads();
+  int32_t key[kLayoutItems], val[kLayoutItems];
+  for (int i = 0; i < kLayoutItems; ++i) {
+    const int j = tid * kLayoutItems + i;
+    int32_t k = E + 1;  // past the chunk's entries: sorts last
+    if (j < nc) {
+      const int32_t id = p.topk[j0 + j];
+      k = id >= 0 && id < E ? id : E;
+      if (k < E) atomicAdd(&cnt[k], 1);
+    }
+    key[i] = k;
+    val[i] = j;
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kLayoutThreads) {
+    first[e] = cnt[e];
+    base[e] = s.start[e] + s.before[c * E + e];
+  }
+  __syncthreads();
+  layout_scan(first, E, scan_tmp);
+  LayoutSort(sort_tmp).Sort(key, val, 0, 32 - __clz(E + 1));  // stable: the chunk's entries of e keep their order
+  __syncthreads();                                          // the sort's storage becomes row_of / pos
+  for (int i = 0; i < kLayoutItems; ++i) {
+    const int q = tid * kLayoutItems + i;  // sorted position within the chunk
+    if (q >= nc) continue;
+    const int j = val[i];
+    const int32_t r = key[i] < E ? base[key[i]] + q - first[key[i]] : -1;
+    row_of[j] = r;
+    p.exp_row[j0 + j] = r;
+    if (r >= 0 && r < p.rows) {  // a duplicate's extra entries may pass the last row: no row then
+      const int64_t g = j0 + j;
+      p.src_entry[r] = static_cast<int32_t>(g);
+      p.src_tok[r] = static_cast<int32_t>(g / K);
+      if (p.recv_w) p.recv_w[r] = p.w[g];  // the weight's bits
+    }
+  }
+  __syncthreads();
+  for (int t = tid; t < nt; t += kLayoutThreads) {
+    int has = 0;
+    for (int k = 0; k < K; ++k) has |= row_of[t * K + k] >= 0;
+    pos[t] = has;
+  }
+  __syncthreads();
+  const int32_t num = layout_scan(pos, nt, scan_tmp);
+  const int32_t tok0 = s.tok_before[c];
+  for (int t = tid; t < nt; t += kLayoutThreads) {
+    const bool has = (t + 1 < nt ? pos[t + 1] : num) > pos[t];
+    const int32_t g = tok0 + pos[t];
+    p.dst_row[t0 + t] = has ? g : -1;
+    if (!has) continue;
+    int32_t* m = p.meta + static_cast<int64_t>(g) * W;  // g < N <= M
+    int32_t master = -1;  // the last k with an expert
+    for (int k = 0; k < K; ++k) {
+      const int32_t r = row_of[t * K + k];
+      if (r >= 0) master = k;
+      m[2 + k] = r;
+    }
+    m[0] = static_cast<int32_t>(t0 + t);
+    m[1] = master;
+  }
+}
+
+// (4) Grid-stride over the rows and the metadata.
+__global__ void __launch_bounds__(kThreads) large_pad_kernel(const EpLocalDispatchParams p) {
+  __shared__ int32_t start[kEpMaxLocalExperts];
+  __shared__ int32_t cnt[kEpMaxLocalExperts];
+  const LargeScratch s = large_scratch(p);
+  const int E = p.E, W = p.K + 2;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    start[e] = s.start[e];
+    cnt[e] = p.count[e];
+  }
+  __syncthreads();
+  const int32_t num = *p.num_recv;
+  const int64_t n = static_cast<int64_t>(p.N) * p.K, rows = p.rows, total = rows + static_cast<int64_t>(p.M) * W;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < total;
+       g += static_cast<int64_t>(gridDim.x) * kThreads) {
+    if (g < rows) {
+      const int32_t r = static_cast<int32_t>(g);
+      const int e = segment_of_row(start, E, r);
+      if (r - start[e] < cnt[e]) continue;  // an entry's row: (3) wrote it
+      p.src_entry[r] = static_cast<int32_t>(n);
+      p.src_tok[r] = p.N;
+      if (p.recv_w) p.recv_w[r] = 0u;
+      continue;
+    }
+    const int64_t i = g - rows;
+    if (i / W >= num) p.meta[i] = -1;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------- scatter
 template <typename V>
 __global__ void __launch_bounds__(kThreads) local_scatter_kernel(const EpLocalScatterParams p) {
@@ -325,12 +559,34 @@ cudaError_t launch(const EpLocalScatterParams& p, cudaStream_t stream) {
 
 cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(p.N) * p.K;
-  if (p.K < 1 || p.K > kEpMaxTopk || n < 1 || n > kEpLocalLayoutMaxEntries || p.E < 1 || p.E > kEpMaxLocalExperts ||
+  if (p.K < 1 || p.K > kEpMaxTopk || n < 1 || n >= (int64_t{1} << 31) || p.E < 1 || p.E > kEpMaxLocalExperts ||
       p.A < 1 || p.M < p.N || p.rows < 0 || p.row_bytes < 0 || !p.topk || !p.token || !p.token_out || !p.err ||
       !p.exp_row || !p.count || !p.aligned || !p.psum_expert || !p.meta || !p.dst_row || !p.num_recv ||
       (p.rows > 0 && (!p.src_entry || !p.src_tok)) || (p.row_bytes > 0 && (!p.x || (p.rows > 0 && !p.recv_x))) ||
-      (!p.w != !p.recv_w))
+      (!p.w != !p.recv_w) || p.scratch_words != ep_local_dispatch_scratch_words(p.N, p.K, p.E) ||
+      (p.scratch_words > 0 && !p.scratch))
     return cudaErrorInvalidValue;
+  if (n > kEpLocalLayoutMaxEntries) {  // the chunked kernels, then the row scatter
+    const LargeScratch s = large_scratch(p);
+    if (s.C >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+    cudaError_t e = cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream);
+    if (e != cudaSuccess) return e;
+    const unsigned chunks = static_cast<unsigned>(s.C);
+    large_count_kernel<<<chunks, kLayoutThreads, 0, stream>>>(p);
+    large_scan_kernel<<<1, kLayoutThreads, 0, stream>>>(p);
+    large_place_kernel<<<chunks, kLayoutThreads, layout_smem_bytes(p.E, static_cast<int>(s.T * p.K),
+                                                                    static_cast<int>(s.T)), stream>>>(p);
+    const int64_t pad = static_cast<int64_t>(p.rows) + static_cast<int64_t>(p.M) * (p.K + 2);
+    int64_t pad_grid = (pad + kThreads * 8 - 1) / (kThreads * 8);
+    if (pad_grid < 1) pad_grid = 1;
+    if (pad_grid > 4096) pad_grid = 4096;
+    large_pad_kernel<<<static_cast<unsigned>(pad_grid), kThreads, 0, stream>>>(p);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    EpLocalScatterParams sp;  // every row of an entry from its token, the rest zero
+    sp.x = p.x, sp.dest = p.exp_row, sp.src = p.src_tok, sp.out = p.recv_x;
+    sp.N = p.N, sp.rows = p.rows, sp.row_bytes = p.row_bytes, sp.K = p.K;
+    return launch_ep_local_scatter(sp, stream);
+  }
   const size_t smem = layout_smem_bytes(p.E, static_cast<int>(n), p.N);
   const int64_t total = n + p.E + p.N + static_cast<int64_t>(p.rows) + static_cast<int64_t>(p.M) * (p.K + 2) + 1;
   int64_t grid = (total + kLayoutOutputsPerCta - 1) / kLayoutOutputsPerCta;
