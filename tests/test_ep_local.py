@@ -221,8 +221,8 @@ _LAYOUT_LIMITS = [(2048, 1, 256, 1, 2048), (64, 32, 256, 4, 64), (256, 8, 256, 1
                   (1025, 4, 64, 8, 1025)]
 
 
-@pytest.mark.parametrize("N,K,E,A,M", _LAYOUT_LIMITS)
-def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, monkeypatch):
+@pytest.mark.parametrize("N,K,E,A,M,H", [c + (8,) for c in _LAYOUT_LIMITS] + [(3000, 2, 16, 4, 3000, 0)])
+def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, H, monkeypatch):
     """The dispatch call against the stable sort in JAX and the row scatter (which the seeded cases compare with the
     reference), every handle array and receive array bit for bit (padding rows included), at the sizes where the
     kernels' limits are."""
@@ -231,7 +231,7 @@ def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, m
     rng = np.random.default_rng(N * 7919 + K * 131 + E)
     idx = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int32)
     idx[rng.random((N, K)) < 0.25] = -1
-    x = jnp.asarray(rng.standard_normal((N, 8)).astype(np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((N, H)).astype(np.float32)).astype(jnp.bfloat16)  # H = 0: no row moves
     w = rng.standard_normal((N, K)).astype(np.float32)
     kw = dict(ctx=local, num_experts=E, max_tokens_per_rank=M, expand=True, expert_alignment=A, zero_padding=True)
 
@@ -247,7 +247,7 @@ def test_native_layout_matches_the_sort_at_its_limits(contexts, N, K, E, A, M, m
     la, lb = jax.tree.leaves(native), jax.tree.leaves(sort)
     assert len(la) == len(lb) and la
     for i, (a, b) in enumerate(zip(la, lb)):
-        _same(a, b, f"N={N} K={K} E={E} A={A} M={M}: leaf {i}")
+        _same(a, b, f"N={N} K={K} E={E} A={A} M={M} H={H}: leaf {i}")
 
 
 @pytest.mark.parametrize("alignment,words", [(1 << 31, "expert_alignment=2147483648"),

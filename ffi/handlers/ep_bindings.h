@@ -153,11 +153,11 @@ auto bind_ep_local_scatter(B&& b) {
 }
 
 
-// The one-rank local path's expand dispatch of at most kEpLocalLayoutMaxEntries entries, which is also its own guard
-// (kernels ep_local_dispatch): token, topk [N, K], x [N, H], w [N * K] float32 or [0] (no weights) -> token_out
-// (aliased to token), recv_x [rows, H] of x's dtype, recv_w [rows] float32 or [0], then the layout: exp_row [N, K],
-// src_entry [rows], src_tok [rows], count [E], aligned [E], psum_expert [E], meta [M, K + 2], dst_row [N, 1],
-// num_recv [1], all int32 (E from count's shape). Like the guard it refuses a closed or failed context and checks the
+// The one-rank local path's expand dispatch, which is also its own guard (kernels ep_local_dispatch): token, topk
+// [N, K], x [N, H], w [N * K] float32 or [0] (no weights) -> token_out (aliased to token), recv_x [rows, H] of x's
+// dtype, recv_w [rows] float32 or [0], then the layout: exp_row [N, K], src_entry [rows], src_tok [rows], count [E],
+// aligned [E], psum_expert [E], meta [M, K + 2], dst_row [N, 1], num_recv [1], and the CUDA kernels' scratch
+// [ep_local_dispatch_scratch_words(N, K, E)], all int32 (E from count's shape). Like the guard it refuses a closed or failed context and checks the
 // routing as a dispatch does (an id outside [-1, E), a duplicate expert), recording a bad entry in context ctx_id;
 // an id outside [0, E) is no entry of the layout.
 template <typename B>

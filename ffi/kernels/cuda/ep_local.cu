@@ -360,10 +360,14 @@ __global__ void __launch_bounds__(kLayoutThreads) large_scan_kernel(const EpLoca
   const int E = p.E, tid = threadIdx.x;
   for (int e = tid; e < E; e += kLayoutThreads) {  // per expert: an exclusive scan over the chunks
     int32_t run = 0;
-    for (int64_t c = 0; c < s.C; ++c) {
-      const int32_t v = s.before[c * E + e];
-      s.before[c * E + e] = run;
-      run += v;
+    constexpr int kBatch = 8;  // loads issued together: a chain of single load-store steps would wait on each
+    for (int64_t c0 = 0; c0 < s.C; c0 += kBatch) {
+      int32_t v[kBatch];
+      for (int b = 0; b < kBatch; ++b) v[b] = c0 + b < s.C ? s.before[(c0 + b) * E + e] : 0;
+      for (int b = 0; b < kBatch && c0 + b < s.C; ++b) {
+        s.before[(c0 + b) * E + e] = run;
+        run += v[b];
+      }
     }
     cnt[e] = run;
     start[e] = static_cast<int32_t>(ep_align(run, p.A));
@@ -564,11 +568,11 @@ cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_
       !p.exp_row || !p.count || !p.aligned || !p.psum_expert || !p.meta || !p.dst_row || !p.num_recv ||
       (p.rows > 0 && (!p.src_entry || !p.src_tok)) || (p.row_bytes > 0 && (!p.x || (p.rows > 0 && !p.recv_x))) ||
       (!p.w != !p.recv_w) || p.scratch_words != ep_local_dispatch_scratch_words(p.N, p.K, p.E) ||
-      (p.scratch_words > 0 && !p.scratch))
-    return cudaErrorInvalidValue;
+      (p.scratch_words > 0 && (!p.scratch || reinterpret_cast<uintptr_t>(p.scratch) % 8 != 0)) ||
+      p.N + (static_cast<int64_t>(p.rows) + kZeroRowsPerCta - 1) / kZeroRowsPerCta >= (int64_t{1} << 31))
+    return cudaErrorInvalidValue;  // (the last: the row scatter's grid, checked before anything is queued)
   if (n > kEpLocalLayoutMaxEntries) {  // the chunked kernels, then the row scatter
     const LargeScratch s = large_scratch(p);
-    if (s.C >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
     cudaError_t e = cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream);
     if (e != cudaSuccess) return e;
     const unsigned chunks = static_cast<unsigned>(s.C);
@@ -582,6 +586,7 @@ cudaError_t launch_ep_local_dispatch(const EpLocalDispatchParams& p, cudaStream_
     if (pad_grid > 4096) pad_grid = 4096;
     large_pad_kernel<<<static_cast<unsigned>(pad_grid), kThreads, 0, stream>>>(p);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if (p.row_bytes == 0) return cudaSuccess;  // nothing to move (zero-byte buffers may have no address)
     EpLocalScatterParams sp;  // every row of an entry from its token, the rest zero
     sp.x = p.x, sp.dest = p.exp_row, sp.src = p.src_tok, sp.out = p.recv_x;
     sp.N = p.N, sp.rows = p.rows, sp.row_bytes = p.row_bytes, sp.K = p.K;
