@@ -507,6 +507,30 @@ def test_one_rank_closed_context_refuses_compiled_ops_as_the_kernels_do(contexts
                                                             "context"), (name, kind, msg)
 
 
+def test_dispatch_kernels_match_a_sequential_reference(tmp_path):
+    """tests/cuda/local_dispatch_check.cu: the dispatch call's CUDA launch (one kernel up to 2048 entries, chunked
+    kernels above, up to 100,000 x 8) against a sequential statement of its rule, every output and the error record
+    bit for bit, clean and bad routings, each case launched twice. Built with nvcc wherever nvcc is (CI: the build
+    must pass); run on the GPU (test_one_gpu's run of this file)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc missing -- CI must build the CUDA checks")
+        pytest.skip("nvcc missing")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = str(tmp_path / "local_dispatch_check")
+    b = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Iffi", "-Iffi/include", "-o", exe,
+                        "tests/cuda/local_dispatch_check.cu", "ffi/kernels/cuda/ep_local.cu"], cwd=root,
+                       capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stdout[-4000:] + b.stderr[-4000:]
+    if PLATFORM != "cuda":
+        return  # built; it runs where there is a GPU
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("ALL OK"), r.stdout[-6000:] + r.stderr[-2000:]
+
+
 @pytest.mark.gpu(1)
 def test_one_gpu():
     """This file's tests on one GPU (the CUDA guard kernel and handlers against the CUDA kernels)."""
