@@ -139,13 +139,10 @@ def _routing(cfg, topk_idx):
         # entry (t, k) of expert e goes to row start[e] + its rank among e's entries in (token, k) order: its
         # position after a stable sort by expert minus its expert's first position
         n = N * K
-        # uint16 keys (E <= kEpMaxExperts < 2**16): on GPU XLA sorts them with CUB's radix sort in two 8-bit passes
-        # instead of the four an int32 key takes; the order is the same
-        assert E < (1 << 16), E  # EPConfig validation bounds E by MAX_EXPERTS
-        key = jnp.where(valid, idx, E).reshape(-1).astype(jnp.uint16)           # [N*K], E = none
+        key = jnp.where(valid, idx, E).reshape(-1)                               # [N*K], E = none
         j = jnp.arange(n, dtype=i32)
         order = jnp.argsort(key, stable=True).astype(i32)
-        skey = key[order].astype(i32)
+        skey = key[order]
         first = start if cfg.expert_alignment == 1 else jnp.cumsum(count, dtype=i32) - count  # unaligned
         e = jnp.minimum(skey, E - 1)
         row_sorted = jnp.where(skey < E, start[e] + j - first[e], -1)
