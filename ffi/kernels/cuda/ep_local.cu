@@ -91,6 +91,24 @@ __device__ int layout_first_bad_k(const int32_t* row, int K, int E) {
   return -1;
 }
 
+// The last expert whose segment starts at or before row r (start: ascending, E entries).
+__device__ inline int segment_of_row(const int32_t* start, int E, int32_t r) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Records the routing's first bad entry (bad: its token << 6 | k) as the guard's kernel records it.
+__device__ inline void record_first_bad(const EpLocalDispatchParams& p, unsigned long long bad) {
+  const int64_t bt = static_cast<int64_t>(bad >> 6);
+  const int bad_id = p.topk[bt * p.K + static_cast<int>(bad & 63)];
+  const int kind = (bad_id < -1 || bad_id >= p.E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
+  cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0, ep_bad_detail(bt, kind));
+}
+
 // Token t's row to its receive rows dest[0, K) (-1: none), in words of V (all threads of the CTA).
 template <typename V>
 __device__ void copy_token_row(const EpLocalDispatchParams& p, int64_t t, const int32_t* dest, int K) {
@@ -160,13 +178,7 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
     first[e] = cnt[e];
   }
   __syncthreads();
-  if (blockIdx.x == 0 && tid == 0 && sh_bad != ULLONG_MAX) {  // the atomics above are behind a barrier
-    const int64_t bt = static_cast<int64_t>(sh_bad >> 6);
-    const int bad_id = p.topk[bt * K + static_cast<int>(sh_bad & 63)];
-    const int kind = (bad_id < -1 || bad_id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
-    cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0,
-                              ep_bad_detail(bt, kind));
-  }
+  if (blockIdx.x == 0 && tid == 0 && sh_bad != ULLONG_MAX) record_first_bad(p, sh_bad);  // behind a barrier
   layout_scan(start, E, scan_tmp);
   layout_scan(first, E, scan_tmp);
   LayoutSort(sort_tmp).Sort(key, val, 0, 32 - __clz(E + 1));  // stable: an expert's entries keep their (t, k) order
@@ -186,14 +198,6 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
   __syncthreads();
   const int32_t num = layout_scan(pos, N, scan_tmp);
   const auto has_row = [&](int t) { return (t + 1 < N ? pos[t + 1] : num) > pos[t]; };
-  const auto segment_of = [&](int32_t r) {  // the last expert whose segment starts at or before row r
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (start[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-  };
   for (int t = tid; t < N; t += kLayoutThreads)
     if (has_row(t)) tok[pos[t]] = t;
   __syncthreads();
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
     i -= N;
     if (i < p.rows) {  // row r is in the segment of the last expert starting at or before it
       const int32_t r = static_cast<int32_t>(i);
-      const int e = segment_of(r);
+      const int e = segment_of_row(start, E, r);
       const int32_t o = r - start[e];
       const int32_t j = o < cnt[e] ? sorted[first[e] + o] : n;  // past the expert's entries: alignment padding
       p.src_entry[r] = j;
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(kLayoutThreads) local_dispatch_kernel(const Ep
   }
   // This CTA's share of the rows no entry fills (alignment padding, and the rows past the last segment): zero.
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {  // int64: r + gridDim.x may pass 2^31
-    const int e = segment_of(static_cast<int32_t>(r));
+    const int e = segment_of_row(start, E, static_cast<int32_t>(r));
     if (r - start[e] < cnt[e]) continue;  // an entry's row: its token's CTA writes it
     if (vec16) zero_row<uint4>(p, r); else zero_row<uint8_t>(p, r);
   }
@@ -302,16 +306,6 @@ __host__ __device__ inline LargeScratch large_scratch(const EpLocalDispatchParam
   s.tok_before = s.start + p.E;
   s.before = s.tok_before + s.C;
   return s;
-}
-
-// The last expert whose segment starts at or before row r (start: ascending, E entries).
-__device__ inline int segment_of_row(const int32_t* start, int E, int32_t r) {
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (start[mid] <= r) lo = mid; else hi = mid - 1;
-  }
-  return lo;
 }
 
 // (1) One CTA per chunk.
@@ -394,14 +388,7 @@ __global__ void __launch_bounds__(kLayoutThreads) large_scan_kernel(const EpLoca
   }
   if (tid == 0) {
     *p.num_recv = total;
-    const unsigned long long bad = *s.bad;
-    if (bad != ULLONG_MAX) {  // recorded exactly as the small kernel (and the guard) records it
-      const int64_t bt = static_cast<int64_t>(bad >> 6);
-      const int bad_id = p.topk[bt * p.K + static_cast<int>(bad & 63)];
-      const int kind = (bad_id < -1 || bad_id >= E) ? kEpBadExpertRange : kEpBadDuplicateExpert;
-      cuda::record_error_device(p.err, kErrBadInput, kOpEpDispatch, p.rank, p.rank, 0, bad_id, 0,
-                                ep_bad_detail(bt, kind));
-    }
+    if (*s.bad != ULLONG_MAX) record_first_bad(p, *s.bad);
   }
 }
 
