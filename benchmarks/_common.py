@@ -34,8 +34,8 @@ from jax import lax
 import jax.numpy as jnp
 
 __all__ = [
-    "time_fn", "time_loop", "time_per_call", "rotate", "rotations_for_cache", "Table", "print_table", "write_json",
-    "config_line", "env_info", "make_ep_mesh", "gbps", "mpps", "fmt_value", "H200_L2_BYTES",
+    "time_fn", "time_back_to_back", "time_interleaved", "time_loop", "time_per_call", "rotate", "rotations_for_cache",
+    "Table", "print_table", "write_json", "config_line", "env_info", "make_ep_mesh", "gbps", "mpps", "fmt_value", "H200_L2_BYTES",
 ]
 
 # H200 (GH100 die) L2 cache: 50 MiB. Inputs smaller than about twice this must be rotated.
@@ -124,6 +124,52 @@ def time_back_to_back(fn: Callable, *args, steps: int = 10, warmup: int = 2, ite
         samples.append((time.perf_counter() - t0) * 1e6 / steps)
         del out
     return _summarize(samples, iters=int(iters), warmup=max(int(warmup), 1), inner=steps)
+
+
+def time_interleaved(fns: dict[str, Callable], *, arg_sets: Sequence[tuple], warmup: int = 1, iters: int = 10,
+                     steps: int = 1) -> dict[str, dict]:
+    """Times several functions against each other, interleaved call by call: sample i runs every function once, on
+    the same argument set (``arg_sets[i mod k]``), in an order that rotates with i. A drift of the machine over the
+    run (GPU clocks, host load, a neighbour) then falls on every function alike, and sample i of one function pairs
+    with sample i of another, where timing each function's samples in a block of its own lets the drift settle into
+    the comparison.
+
+    ``steps == 1``: a sample is one call timed to its end (as ``time_fn``); ``steps > 1``: ``steps`` calls
+    dispatched back to back and waited for once, per call (as ``time_back_to_back``). Each function first runs
+    ``warmup`` (at least one) calls, which compile. A function that raises is dropped from the rest of the run.
+    Returns, per name, ``time_fn``'s dict, or ``{"error": "Type: message"}``.
+    """
+    sets = _call_sets((), arg_sets)
+    names = list(fns)
+    steps = max(int(steps), 1)
+    errors: dict[str, str] = {}
+    samples: dict[str, list[float]] = {n: [] for n in names}
+
+    def run(name: str, first_set: int, timed: bool) -> None:
+        if name in errors:
+            return
+        try:
+            t0 = time.perf_counter()
+            out = None
+            for j in range(steps):
+                out = fns[name](*sets[(first_set + j) % len(sets)])
+            jax.block_until_ready(out)
+            if timed:
+                samples[name].append((time.perf_counter() - t0) * 1e6 / steps)
+            del out
+        except Exception as e:  # noqa: BLE001 - one failing function must not lose the others
+            errors[name] = f"{type(e).__name__}: {str(e)[:400]}"
+
+    w = max(int(warmup), 1)
+    for name in names:
+        for i in range(w):
+            run(name, i * steps, False)
+    for i in range(int(iters)):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            run(name, (w + i) * steps, True)
+    return {n: {"error": errors[n]} if n in errors else
+            _summarize(samples[n], iters=int(iters), warmup=w, inner=steps) for n in names}
 
 
 def time_loop(step_fn: Callable, carry: Any, n: int, *, warmup: int = 2, iters: int = 10) -> dict:

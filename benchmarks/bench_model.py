@@ -89,11 +89,12 @@ ap.add_argument("--take-max-gib", type=float, default=56.0, help="take_hbm: HBM 
                 "host tables are scaled down to this for take_hbm")
 ap.add_argument("--variants", default=",".join(VARIANTS))
 ap.add_argument("--modes", default="fwd,train")
-ap.add_argument("--iters", type=int, default=10)
+ap.add_argument("--iters", type=int, default=10, help="timed steps per variant and round, the variants interleaved "
+                "call by call (A B C, B C A, ...; each sample of every variant on the same id set); back to back: "
+                "iters // 2 (at least 3) samples of iters steps, interleaved the same way")
 ap.add_argument("--warmup", type=int, default=2)
-ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (T, mode) this many times, the "
-                "variants interleaved (A B C, A B C, ...): ms is the median of the rounds, and each overhead the "
-                "median of the per-round ratios, so drift of the machine over the run cancels")
+ap.add_argument("--rounds", type=int, default=1, help="time every variant of a (T, mode) this many times: ms is the "
+                "median of the rounds, and each overhead the median of the per-round ratios")
 ap.add_argument("--id-sets", type=int, default=0, help="different id sets (and their resident rows) the timed steps "
                 "cycle through, as a model's steps see new tokens (0: enough that one cycle's rows are twice the "
                 "host's last-level cache, at least 256 MiB of rows, at most 64 sets)")
@@ -411,30 +412,35 @@ def run_size(table_gib: float, params, link_gbps):
                 mode_rows.append(row)
                 fns[v] = fn
             samples = {v: ([], []) for v in fns}  # per round: per-call ms, back-to-back ms
+            arg_sets = [(params, x, i_, r_, hbm) for i_, r_ in id_sets]
             for rnd in range(max(args.rounds, 1)):
+                failed = {r["variant"] for r in mode_rows if "error" in r}
+                live = {v: fn for v, fn in fns.items() if v not in failed}
+                # the variants interleaved call by call, on the same id set per sample (C.time_interleaved)
+                per = C.time_interleaved(live, arg_sets=arg_sets, warmup=args.warmup if rnd == 0 else 1,
+                                         iters=args.iters)
+                # the same steps back to back (a training loop): host-side costs overlap the device's work
+                b2b = C.time_interleaved(live, arg_sets=arg_sets, warmup=1, iters=max(3, args.iters // 2),
+                                         steps=args.iters)
                 for row in mode_rows:
                     v = row["variant"]
-                    if "error" in row:
+                    if v not in live:
                         continue
-                    fn = fns[v]
-                    arg_sets = [(params, x, i_, r_, hbm) for i_, r_ in id_sets]
-                    try:
-                        t = C.time_fn(fn, arg_sets=arg_sets, warmup=args.warmup if rnd == 0 else 1, iters=args.iters)
-                        samples[v][0].append(_ms(t))
-                        if rnd == 0:
-                            row.update(p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
-                        # the same steps back to back (a training loop): host-side costs overlap the device's work
-                        tb = C.time_back_to_back(fn, steps=args.iters, warmup=1, iters=max(3, args.iters // 2),
-                                                 arg_sets=arg_sets)
-                        samples[v][1].append(_ms(tb))
-                        if args.profile and rnd == 0:
-                            tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
-                            with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
-                                for i_ in range(3):
-                                    jax.block_until_ready(fn(*arg_sets[i_ % nsets]))
-                                jax.block_until_ready([fn(*arg_sets[(3 + i_) % nsets]) for i_ in range(3)])
-                    except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
-                        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    t, tb = per[v], b2b[v]
+                    if "error" in t or "error" in tb:
+                        row["error"] = t.get("error") or tb["error"]
+                        continue
+                    samples[v][0].append(_ms(t))
+                    samples[v][1].append(_ms(tb))
+                    if rnd == 0:
+                        row.update(p10_ms=t["p10_us"] / 1e3, p90_ms=t["p90_us"] / 1e3)
+            if args.profile:
+                for v, fn in fns.items():
+                    tag = f"{v.replace('[', '_').rstrip(']')}_{mode}_T{T}"
+                    with jax.profiler.trace(str(Path(args.profile) / tag), create_perfetto_trace=True):
+                        for i_ in range(3):
+                            jax.block_until_ready(fn(*arg_sets[i_ % nsets]))
+                        jax.block_until_ready([fn(*arg_sets[(3 + i_) % nsets]) for i_ in range(3)])
             for row in mode_rows:
                 v = row["variant"]
                 if "error" not in row:
@@ -457,8 +463,8 @@ def run_size(table_gib: float, params, link_gbps):
                 row[f"vs_{ref}_pct"] = 100.0 * (row["ms"] / b - 1.0) if b else None
                 b = base.get((row["mode"], ref, "b2b"))
                 row[f"b2b_vs_{ref}_pct"] = 100.0 * (row["b2b_ms"] / b - 1.0) if b and row.get("b2b_ms") else None
-                # Several rounds: the overhead is the median of the per-round ratios (each round times the variants
-                # back to back, so a drift of the machine between rounds cancels in the ratio).
+                # Several rounds: the overhead is the median of the per-round ratios (each round interleaves the
+                # variants call by call, so a drift of the machine within and between rounds cancels in the ratio).
                 ref_row = rounds_of.get((row["mode"], ref))
                 if ref_row is not None and row.get("rounds_ms"):
                     for key, pct in (("rounds_ms", f"vs_{ref}_pct"), ("rounds_b2b_ms", f"b2b_vs_{ref}_pct")):

@@ -45,6 +45,17 @@ res["rotate_time_fn"] = used[:]
 used.clear()
 tb = C.time_back_to_back(g, arg_sets=sets, steps=2, warmup=1, iters=2)
 res["rotate_b2b"] = dict(used=used[:], n=len(tb["samples"]))
+calls = []  # (function, set) of every call: the order rotates per sample, every function gets the sample's set
+mk = lambda name: lambda a: (calls.append((name, int(a[0]))), f(a))[1]  # noqa: E731
+def bad(a):
+    calls.append(("bad", int(a[0])))
+    raise ValueError("boom")
+ti = C.time_interleaved({"a": mk("a"), "b": mk("b"), "bad": bad}, arg_sets=sets, warmup=1, iters=4)
+res["interleaved"] = dict(calls=calls[:], n={k: len(v.get("samples", [])) for k, v in ti.items()},
+                          error=ti["bad"].get("error"))
+calls.clear()
+ti = C.time_interleaved({"a": mk("a"), "b": mk("b")}, arg_sets=sets, warmup=1, iters=2, steps=2)
+res["interleaved_b2b"] = dict(calls=calls[:], inner=ti["a"]["inner"], n=len(ti["b"]["samples"]))
 t_in = C.time_fn(f, x, warmup=1, iters=4, inner=10)
 res["inner"] = t_in["inner"]
 tl = C.time_loop(lambda c: c * 0.5 + 1.0, x, 50, warmup=1, iters=4)
@@ -209,6 +220,15 @@ def test_common(runs, ndev):
     # sets hold 1.0, 2.0, 3.0: no timed call repeats the set the call before it used
     assert r["rotate_time_fn"] == [1, 2, 3, 1, 2, 3]
     assert r["rotate_b2b"] == dict(used=[1, 2, 3, 1, 2], n=2)
+    # time_interleaved: warm-up a, b, bad (which fails and is dropped); then samples 1..4 on sets 2, 3, 1, 2, each
+    # running every live function once, the order rotating over the names a, b, bad (a b, b a, a b, a b)
+    assert [tuple(c) for c in r["interleaved"]["calls"]] == [("a", 1), ("b", 1), ("bad", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3),
+                                         ("a", 1), ("b", 1), ("a", 2), ("b", 2)], r["interleaved"]["calls"]
+    assert r["interleaved"]["n"] == dict(a=4, b=4, bad=0) and r["interleaved"]["error"] == "ValueError: boom"
+    # back to back (steps=2): a sample is 2 calls on consecutive sets, both functions on the same ones
+    assert [tuple(c) for c in r["interleaved_b2b"]["calls"]] == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("a", 3), ("a", 1), ("b", 3),
+                                             ("b", 1), ("b", 2), ("b", 3), ("a", 2), ("a", 3)]
+    assert r["interleaved_b2b"]["inner"] == 2 and r["interleaved_b2b"]["n"] == 2
     assert r["inner"] == 10
     assert r["time_loop"] == dict(n=50, inner=50, positive=True)
     assert all(r["table"][k] for k in ("has_title", "has_na", "has_fmt", "has_sep")) and r["table"]["lines"] == 5
