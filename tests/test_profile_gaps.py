@@ -59,3 +59,33 @@ def test_profile_kernels_per_call(tmp_path):
     assert rows["MemcpyH2D"] == ["30.5", "us", "1.0", "x"], rows
     assert rows["layer1"] == ["50.0", "us", "0.5", "x"] and rows["overlapping"] == ["10.0", "us", "0.5", "x"], rows
     assert "host work" not in p.stdout
+
+
+def test_profile_steps(tmp_path):
+    """--steps: one line per execution (the host's ExecuteThunks), its GPU activities assigned by time, the --mark
+    activity, the end of its GPU work, the time to the next execution, and the launching thread's custom calls and
+    graph launches; another host thread's events are not listed."""
+    ev = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 14, "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "python3"}},
+    ]
+    X = lambda pid, tid, ts, dur, name: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}  # noqa
+    for t0 in (1000, 3000):  # two executions, 2000 us apart
+        ev += [X(2, 7, t0, 400, "[0] GpuExecutable::ExecuteThunks"), X(2, 7, t0 + 10, 20, "jax_engram_ffi_call.3"),
+               X(2, 7, t0 + 40, 100, "cuGraphLaunch (CudaGraph:1)"), X(2, 8, t0 + 50, 30, "jax_engram_ffi_call.9"),
+               X(1, 14, t0 + 120, 50, "gemm"), X(1, 14, t0 + 300, 10, "layer1"), X(1, 14, t0 + 400, 900, "gemm")]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "profile_gaps.py"), str(tmp_path), "--steps",
+                        "--mark", "layer1"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "2 executions" in lines[0], lines
+    rows = [l.split() for l in lines[2:]]
+    # step, first GPU activity, layer1, GPU end (400 + 900), to the next execution (3000 - 2300), the host pieces
+    assert rows[0] == ["0", "120", "300", "1300", "700", "jax_engram_ffi_call.3@10+20", "graph@40+100"], rows
+    assert rows[1] == ["1", "120", "300", "1300", "-", "jax_engram_ffi_call.3@10+20", "graph@40+100"], rows

@@ -3,8 +3,15 @@ span, the time busy and the idle gaps, the largest gaps with the activities on b
 activities. Used to compare ``bench_model.py --profile`` variants (e.g. Engram rows resident vs prefetched).
 ``--kernels CALLS``: instead, the GPU time per activity name over every GPU stream, divided by the CALLS calls
 the trace recorded (which kernels an op is made of, e.g. ``bench_ep.py --one-rank --profile``).
+``--steps``: instead, one line per execution of a jitted program (the host's ``GpuExecutable::ExecuteThunks``), in
+µs from its start: its first GPU activity, the first activity named ``--mark`` (e.g. a layer's first kernel), the
+end of its GPU work, the time from that end to the next execution (the host's turnaround when calls are timed one
+by one), and on the launching thread each custom call and each CUDA graph launch as start+duration. A GPU
+activity belongs to the execution whose start precedes it, so executions enqueued back to back blur into each
+other (``end`` past the next start shows it).
 
     python tools/profile_gaps.py PROFILE_DIR [PROFILE_DIR ...] [--top 12] [--min-gap-us 3] [--kernels CALLS]
+                                 [--steps [--mark NAME]]
 """
 from __future__ import annotations
 
@@ -88,6 +95,40 @@ def kernels(d: Path, top: int, calls: int) -> None:
         print(f"   {t / calls:9.1f} us  {c / calls:5.1f} x  {name[:100]}")
 
 
+def steps(d: Path, mark: str | None) -> None:
+    events = load(d)
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e["tid"])] = e["args"]["name"]
+    xs = sorted((e for e in events if e.get("ph") == "X" and "dur" in e), key=lambda e: float(e["ts"]))
+    is_gpu = lambda e: "GPU" in pname.get(e["pid"], "") or "gpu" in pname.get(e["pid"], "")  # noqa: E731
+    runs = [e for e in xs if "ExecuteThunks" in e.get("name", "") and not is_gpu(e)]
+    print(f"== {d}: {len(runs)} executions (us from each start)")
+    if not runs:
+        return
+    gpu = [e for e in xs if is_gpu(e)]
+    print("   step  first-gpu  " + (f"{mark}  " if mark else "") + "gpu-end  to-next  host: custom calls / graph launches")
+    for k, r in enumerate(runs):
+        t0 = float(r["ts"])
+        t1 = float(runs[k + 1]["ts"]) if k + 1 < len(runs) else float("inf")
+        g = [e for e in gpu if t0 <= float(e["ts"]) < t1]
+        thread = (r["pid"], r["tid"])
+        host = [e for e in xs if (e["pid"], e["tid"]) == thread and t0 <= float(e["ts"]) < t1
+                and ("ffi_call" in e["name"] or "custom-call" in e["name"] or "cuGraphLaunch" in e["name"])]
+        at = lambda e: f"{float(e['ts']) - t0:.0f}"  # noqa: E731
+        first = at(g[0]) if g else "-"
+        marked = next((at(e) for e in g if e.get("name") == mark), "-") if mark else None
+        end = max((float(e["ts"]) + float(e["dur"]) for e in g), default=None)
+        to_next = f"{t1 - end:.0f}" if end is not None and t1 != float("inf") else "-"
+        pieces = " ".join(f"{'graph' if 'cuGraphLaunch' in e['name'] else e['name'][:32]}@{at(e)}+{float(e['dur']):.0f}"
+                          for e in host)
+        print(f"   {k:4d}  {first:>9s}  " + (f"{marked:>{len(mark)}s}  " if mark else "")
+              + f"{'-' if end is None else f'{end - t0:.0f}':>7s}  {to_next:>7s}  {pieces}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", type=Path)
@@ -95,9 +136,13 @@ def main() -> None:
     ap.add_argument("--min-gap-us", type=float, default=3.0)
     ap.add_argument("--kernels", type=int, default=0, metavar="CALLS",
                     help="GPU time per activity name, per call of the CALLS the trace recorded")
+    ap.add_argument("--steps", action="store_true", help="one line per execution of a jitted program")
+    ap.add_argument("--mark", default=None, help="--steps: also the start of the first GPU activity of this name")
     a = ap.parse_args()
     for d in a.dirs:
-        if a.kernels > 0:
+        if a.steps:
+            steps(d, a.mark)
+        elif a.kernels > 0:
             kernels(d, a.top, a.kernels)
         else:
             summarize(d, a.top, a.min_gap_us)
