@@ -31,13 +31,19 @@ def load(d: Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def streams(events: list[dict]) -> dict[tuple, dict]:
+def names(events: list[dict]) -> tuple[dict, dict]:
+    """The trace's process names (by pid) and thread names (by (pid, tid)), from its metadata events."""
     pname, tname = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             pname[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             tname[(e["pid"], e["tid"])] = e["args"]["name"]
+    return pname, tname
+
+
+def streams(events: list[dict]) -> dict[tuple, dict]:
+    pname, tname = names(events)
     out: dict[tuple, dict] = defaultdict(lambda: {"events": []})
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -97,12 +103,7 @@ def kernels(d: Path, top: int, calls: int) -> None:
 
 def steps(d: Path, mark: str | None) -> None:
     events = load(d)
-    pname, tname = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            tname[(e["pid"], e["tid"])] = e["args"]["name"]
+    pname, tname = names(events)
     xs = sorted((e for e in events if e.get("ph") == "X" and "dur" in e), key=lambda e: float(e["ts"]))
     is_gpu = lambda e: "GPU" in pname.get(e["pid"], "") or "gpu" in pname.get(e["pid"], "")  # noqa: E731
     runs = [e for e in xs if "ExecuteThunks" in e.get("name", "") and not is_gpu(e)]
