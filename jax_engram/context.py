@@ -168,8 +168,10 @@ class Context:
             raise TypeError(f"jax_engram.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"jax_engram.init: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"jax_engram.init: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e7:
+            # finite: every wait is bounded by it, and it becomes deadlines and nanosecond counts natively
+            raise ValueError(f"jax_engram.init: timeout_s must be a positive, finite number of seconds (below 1e7), "
+                             f"got {timeout_s!r}")
         if not isinstance(cuda_graphs, (bool, np.bool_)):
             raise ValueError(f"jax_engram.init: cuda_graphs must be a bool, got {cuda_graphs!r}")
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
@@ -759,7 +761,8 @@ def init(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], *, device_by
 
     device_bytes / host_bytes: optional per-rank reservations (bytes) of the window's device (HBM) and host
     segments, from which Engram tables and EP buffers are carved. None (default): each buffer gets a
-    segment of its own when first needed. timeout_s bounds every wait of every op of this context.
+    segment of its own when first needed. timeout_s (seconds, positive and finite) bounds every wait of every op
+    of this context.
 
     cuda_graphs (CUDA): let XLA capture the EP ops (dispatch, cached dispatch, combine) into the CUDA graphs it
     builds around them (command buffers), so a jitted step with many small kernels is not cut in pieces at every

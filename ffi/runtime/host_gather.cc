@@ -243,12 +243,16 @@ void HostGatherPool::stop() {
 }
 
 void stop_host_gather(Member& m) {
+  // The pool stays with the member, stopped (one is made if none was): a late caller, such as an enqueue-thread task
+  // that outlived a timed-out quiesce, finds it and has its job failed at once (flags set) instead of starting a
+  // pool that nobody would join.
   std::shared_ptr<HostGatherPool> p;
   {
     std::lock_guard<std::mutex> lk(m.host_gather_mu);
-    p.swap(m.host_gather);
+    if (!m.host_gather) m.host_gather = std::make_shared<HostGatherPool>(m.label + " rank " + std::to_string(m.rank));
+    p = m.host_gather;
   }
-  if (p) p->stop();
+  p->stop();
 }
 
 int host_gather_default_threads(bool cuda) {

@@ -146,6 +146,7 @@ def t_bad_arguments():
         (lambda: je.init("mesh", "x"), TypeError, "jax.sharding.Mesh"),
         (lambda: je.init(mesh, "nope"), ValueError, "axis_name"),
         (lambda: je.init(mesh, "x", timeout_s=-1), ValueError, "timeout_s"),
+        (lambda: je.init(mesh, "x", timeout_s=float("inf")), ValueError, "finite"),
         (lambda: je.init(mesh, "x", device_bytes=-5), ValueError, "device_bytes"),
     ]:
         try:
