@@ -105,6 +105,7 @@ void OrderedWorker::run() {
         task();
       } catch (...) {  // tasks report through their owner's state; never let one end the thread
       }
+      task = nullptr;  // destroyed without mu_ (a Python task's destructor takes the GIL, which submit() may hold)
       lk.lock();
       ++completed_;
       done_cv_.notify_all();
