@@ -63,6 +63,66 @@ def test_host_gather_cuda_three_ranks_one_gpu(launch):
     assert len(res) == 3 and all(not r["failed"] and len(r["passed"]) >= 9 for r in res), res
 
 
+def test_host_gather_pool_waking_cpu():
+    """The pool's workers sleep on a futex word that a submit advances outside the pool's lock: idle workers use no
+    CPU; jobs submitted from several threads at once, each to workers that may be asleep, are all gathered right
+    (bit-exact; a lost wake-up would leave a job unrun and its bounded wait would fail the test); stop() joins the
+    workers; a stopped pool fails a job instead of hanging."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from conftest import harness
+    from jax_engram import _ffi
+
+    h = harness()
+    native = _ffi.native("cpu")
+    name = "je-hostgather"
+    before = h.threads_named(name)
+    table = np.random.default_rng(7).integers(0, 256, size=(4096, 96), dtype=np.uint8)
+
+    def gather(pool, rng, n=3000, item_rows=16):
+        ids = rng.integers(-5, table.shape[0], size=n, dtype=np.int32)  # negative: zero rows
+        out = np.full((n, table.shape[1]), 0xAB, dtype=np.uint8)
+        pool.gather(table, ids, out, item_rows, 30.0)
+        want = np.where((ids >= 0)[:, None], table[np.maximum(ids, 0)], 0).astype(np.uint8)
+        np.testing.assert_array_equal(out, want)
+
+    pool = native._HostGatherPool("waking test", 3)
+    assert pool.threads() == 3 and h.threads_named(name) == before + 3
+    gather(pool, np.random.default_rng(1))
+    c0 = h.thread_cpu_seconds(name)
+    time.sleep(0.3)
+    idle = h.thread_cpu_seconds(name) - c0
+    assert idle < 0.05, f"idle workers used {idle:.3f} s of CPU in 0.3 s: they should sleep"
+
+    errors: list[BaseException] = []
+
+    def submitter(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for i in range(150):
+                gather(pool, rng, n=int(rng.integers(1, 400)), item_rows=int(rng.integers(1, 40)))
+                if i % 25 == 0:
+                    time.sleep(0.01)  # let the workers fall asleep between some jobs
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=submitter, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a submitting thread did not finish"
+    assert not errors, errors[:3]
+
+    pool.stop()
+    assert h.threads_named(name) == before
+    with pytest.raises(RuntimeError, match="stopped"):
+        gather(pool, np.random.default_rng(2))
+
+
 def test_host_gather_keeps_its_software_prefetches():
     """The row gather keeps dozens of random rows in flight with software prefetches; a compiler that deletes them
     (GCC drops a call to a prefetch-only function it did not inline) leaves each worker waiting for one row at a

@@ -1,11 +1,13 @@
 #include "module/bind_runtime.h"
 
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -251,6 +253,57 @@ void bind_runtime(nb::module_& m, const char* platform) {
         .def("submitted", &OrderedWorker::submitted)
         .def("completed", &OrderedWorker::completed)
         .def("stop", &OrderedWorker::stop, nb::call_guard<nb::gil_scoped_release>());
+    // A host gather pool of its own (runtime/host_gather.h), for the test of its waking on any machine: gather() runs
+    // one job of fill-mode rows from a host table through the workers.
+    nb::class_<HostGatherPool>(m, "_HostGatherPool")
+        .def("__init__",
+             [](HostGatherPool* p, const std::string& label, int threads) {
+               new (p) HostGatherPool(label);
+               p->grow(threads);
+             },
+             nb::arg("label"), nb::arg("threads"))
+        .def("threads", &HostGatherPool::threads)
+        .def("stop", &HostGatherPool::stop, nb::call_guard<nb::gil_scoped_release>())
+        .def("gather",
+             [](HostGatherPool& pool, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> table,
+                nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
+                nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, int64_t item_rows,
+                double timeout_s) {
+               const int64_t n = static_cast<int64_t>(ids.shape(0)), rb = static_cast<int64_t>(table.shape(1));
+               if (static_cast<int64_t>(out.shape(0)) != n || static_cast<int64_t>(out.shape(1)) != rb)
+                 throw std::invalid_argument("out must be [len(ids), table.shape[1]]");
+               auto job = std::make_shared<HostGatherJob>();
+               job->g.ids = ids.data();
+               job->g.T = n;
+               job->g.E = 1;
+               job->g.num_entries = static_cast<int64_t>(table.shape(0));
+               job->g.nranks = 1;
+               job->g.row_bytes = rb;
+               job->g.mode = engram::kModeFill;
+               job->g.out = out.data();
+               job->g.streaming = false;
+               job->peers = {const_cast<uint8_t*>(table.data())};
+               job->n = n;
+               job->item_rows = std::clamp<int64_t>(item_rows, 1, std::max<int64_t>(n, 1));
+               job->chunk_items = 1;
+               bool done;
+               {
+                 nb::gil_scoped_release nogil;
+                 pool.submit(job);
+                 done = job->wait(timeout_s);
+               }
+               if (!done) {  // the workers may still use the arrays: end the job here before returning
+                 job->abandon("timed out");
+                 nb::gil_scoped_release nogil;
+                 HostGatherPool::help(*job, job->num_items());  // claims what is left (skipped: the job failed)
+                 while (!job->wait(60.0)) {  // the items a worker is running
+                 }
+                 throw std::runtime_error("the host gather job did not finish within the timeout");
+               }
+               if (job->failed()) throw std::runtime_error(job->error());
+             },
+             nb::arg("table"), nb::arg("ids"), nb::arg("out"), nb::arg("item_rows"), nb::arg("timeout_s"),
+             "Gathers table[ids] into out (negative ids: zero rows) on the pool's workers; raises the job's error.");
   }
   m.def("_test_fail_next_host_enqueue", [](int64_t ctx) { arm_test_hook(ctx, &Member::host_enqueue_fail_next); },
         nb::arg("ctx_id"), "Test hook (CUDA): the next overlapped host-path fetch of every local member of the context "

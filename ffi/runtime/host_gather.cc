@@ -1,9 +1,12 @@
 // Host gather pool (see host_gather.h).
 #include "runtime/host_gather.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
-#include <sys/mman.h>
 #include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -141,6 +144,39 @@ bool HostGatherJob::wait(double timeout_s) {
 }
 
 // ----------------------------------------------------------------------------------------------- pool
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// The futex of a 32-bit atomic (std::atomic<uint32_t> is a plain aligned word on Linux; C++17 has no atomic wait).
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) && std::atomic<uint32_t>::is_always_lock_free,
+              "the pool's futex word must be a plain 32-bit word");
+inline uint32_t* futex_word(std::atomic<uint32_t>* a) { return reinterpret_cast<uint32_t*>(a); }
+void futex_wait(std::atomic<uint32_t>* a, uint32_t expected) {
+  syscall(SYS_futex, futex_word(a), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);  // EAGAIN / EINTR: re-checked
+}
+void futex_wake_all(std::atomic<uint32_t>* a) {
+  syscall(SYS_futex, futex_word(a), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Takes `mu` spinning on try_lock first: its critical sections are a few instructions, and a worker that went to
+// sleep on it would need its own wake-up (see host_gather.h, Waking).
+std::unique_lock<std::mutex> lock_spinning(std::mutex& mu) {
+  for (int i = 0; i < 4096; ++i) {
+    if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
+    cpu_relax();
+  }
+  return std::unique_lock<std::mutex>(mu);
+}
+
+}  // namespace
+
 HostGatherPool* HostGatherPool::of(Member& m, int threads, int numa_node) {
   std::lock_guard<std::mutex> lk(m.host_gather_mu);
   if (!m.host_gather) {
@@ -184,13 +220,17 @@ void HostGatherPool::submit(std::shared_ptr<HostGatherJob> job) {
     job->finish();
     return;
   }
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!stopped_ && !threads_.empty()) {
-      queue_.push_back(std::move(job));
-      cv_.notify_all();
-      return;
+      queue_.push_back(job);
+      queued = true;
     }
+  }
+  if (queued) {
+    wake_all();
+    return;
   }
   job->set_failed("the host gather pool of " + label_ + " is stopped (the context is closing)");
   job->next_.store(job->num_items());  // nothing left to pull (help)
@@ -199,22 +239,38 @@ void HostGatherPool::submit(std::shared_ptr<HostGatherJob> job) {
 }
 
 void HostGatherPool::worker() {
-  std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopped and drained
-    std::shared_ptr<HostGatherJob> job = queue_.front();
-    lk.unlock();
-    // Items are claimed without the pool's lock: one atomic increment each.
-    bool first = true;
-    for (int64_t item; (item = job->next_.fetch_add(1, std::memory_order_relaxed)) < job->num_items();) {
-      if (first && job->submit_ns_) job->trace_join();
-      first = false;
-      job->run_item(item);
+    const uint32_t seen = epoch_.load(std::memory_order_acquire);
+    std::shared_ptr<HostGatherJob> job;
+    bool stopped;
+    {
+      auto lk = lock_spinning(mu_);
+      if (!queue_.empty()) job = queue_.front();
+      stopped = stopped_;
     }
-    lk.lock();
-    if (!queue_.empty() && queue_.front() == job) queue_.pop_front();  // every item is taken: the next job may start
+    if (job) {
+      // Items are claimed without the pool's lock: one atomic increment each.
+      bool first = true;
+      for (int64_t item; (item = job->next_.fetch_add(1, std::memory_order_relaxed)) < job->num_items();) {
+        if (first && job->submit_ns_) job->trace_join();
+        first = false;
+        job->run_item(item);
+      }
+      auto lk = lock_spinning(mu_);
+      if (!queue_.empty() && queue_.front() == job) queue_.pop_front();  // every item is taken: the next job may start
+      continue;
+    }
+    if (stopped) return;  // stopped and drained
+    // Idle: sleep until the epoch moves (a submit or stop).
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch_, seen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
+}
+
+void HostGatherPool::wake_all() {
+  epoch_.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&epoch_);
 }
 
 int64_t HostGatherPool::help(HostGatherJob& job, int64_t limit) {
@@ -238,7 +294,7 @@ void HostGatherPool::stop() {
     stopped_ = true;
     ts.swap(threads_);
   }
-  cv_.notify_all();
+  wake_all();
   for (auto& t : ts) t.join();
 }
 

@@ -4,6 +4,10 @@
 // Lifecycle: created at the member's first host gather (HostGatherPool::of), joined when the member is destroyed
 // (Registry::destroy_member -> stop_host_gather, after the backend's quiesce: queued jobs still run to the end, so
 // a stream waiting on their flags is released), never detached. Threads are named "je-hostgather".
+// Waking: idle workers sleep on one futex word (the pool's epoch), which every submit and stop advances after
+// releasing the pool's lock, so that one system call wakes them all in parallel; a condition variable signalled under
+// the lock would have each woken worker take the lock in turn, a chain of wake-ups that in a VM costs tens of
+// microseconds per worker. A worker takes that lock by spinning on try_lock first, for the same reason.
 // Jobs: a fetch's rows cut into work items (item_rows rows, engram::host_gather_plan) that the workers pull in
 // order, each item with its rows' scale factors; items form chunks (chunk_items items) whose completion is published
 // by a flag store (flags[c] = seq), except the last chunk's: when every item is done the finisher writes the status
@@ -102,9 +106,11 @@ class HostGatherPool {
 
  private:
   void worker();
+  void wake_all();  // advances epoch_ and wakes its sleepers (never under mu_)
   std::string label_;
+  std::atomic<uint32_t> epoch_{0};         // the futex word idle workers sleep on
+  std::atomic<int> sleepers_{0};           // workers in (or entering) the futex wait
   mutable std::mutex mu_;
-  std::condition_variable cv_;
   std::deque<std::shared_ptr<HostGatherJob>> queue_;
   std::vector<std::thread> threads_;
   std::vector<int> cpus_;

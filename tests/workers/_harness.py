@@ -37,6 +37,23 @@ def threads_named(name: str) -> int:
     return sum(1 for n in thread_names().values() if n == name)
 
 
+def thread_cpu_seconds(name: str) -> float:
+    """CPU time (user + system, seconds) used so far by this process's OS threads named ``name``
+    (``/proc/self/task/<tid>/stat``, in clock ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for tid, n in thread_names().items():
+        if n != name:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3 of stat(5)
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return total / tick
+
+
 def import_launch():
     """``jax_engram.launch``; from the source checkout when jax_engram is not installed."""
     try:
