@@ -19,6 +19,7 @@
 
 #include "jax_engram/engram_layout.h"
 #include "runtime/env.h"
+#include "runtime/spin.h"
 
 namespace jax_engram {
 
@@ -145,14 +146,6 @@ bool HostGatherJob::wait(double timeout_s) {
 
 // ----------------------------------------------------------------------------------------------- pool
 namespace {
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 // The futex of a 32-bit atomic (std::atomic<uint32_t> is a plain aligned word on Linux; C++17 has no atomic wait).
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) && std::atomic<uint32_t>::is_always_lock_free,

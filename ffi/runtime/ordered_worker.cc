@@ -5,18 +5,9 @@
 
 #include <stdexcept>
 
+#include "runtime/spin.h"
+
 namespace jax_engram {
-namespace {
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-}  // namespace
 
 OrderedWorker::OrderedWorker(const std::string& name) {
   thread_ = std::thread([this] { run(); });
