@@ -60,19 +60,22 @@ class HierEngram:
     def inter_node_path(self) -> str:
         return "gin" if self._gin is not None else "xla all_to_all"
 
-    def write(self, storage, sf=None, *, after=None):
-        """EngramTable.write on a ("node", "gpu") group; the arguments were checked by the table."""
+    def write(self, storage, sf, row_offset, *, after=None):
+        """EngramTable.write on a ("node", "gpu") group; the arguments were checked by the table (``row_offset``:
+        int32 [])."""
         if self.num_sf_packs:
-            # This node's rows of the replicated table: the inner table serves them with the data rows.
-            sf = jax.lax.dynamic_slice_in_dim(sf, self.ctx.node_index() * self.node_entries, self.node_entries)
+            # This node's rows of the written slices (rank-major, local_size ranks per node): the inner table serves
+            # them with the data rows.
+            n = self.ctx.local_size * storage.shape[0]
+            sf = jax.lax.dynamic_slice_in_dim(sf, self.ctx.node_index() * n, n)
         if self._gin is None:
-            return self.inner.write(storage, sf, after=after)
+            return self.inner.write(storage, sf, row_offset=row_offset, after=after)
         # GIN reads other nodes' windows directly: the write waits until every rank's earlier lookups (its
         # ``after``) are done, and its ``done`` until every rank's write is.
         ax = self.ctx.axis_name
         if after is not None:
             after = jax.lax.psum(self.ctx.varying(jnp.asarray(after, jnp.float32).reshape(-1)[:1].sum()), ax)
-        tok = self.inner.write(storage, sf, after=after)
+        tok = self.inner.write(storage, sf, row_offset=row_offset, after=after)
         return jax.lax.psum(self.ctx.varying(tok), ax)
 
     def fetch(self, indices, token, mode: str, sf_layout: str, config):

@@ -12,6 +12,7 @@ to be passed around between jitted calls.
 Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)::
 
     done = table.write(storage, sf=None, after=None)     # storage [num_entries, hidden]: this rank's shard
+    done = table.write(rows, sf, row_offset=o)           # rows [n, hidden]: its rows o..o+n (a slice at a time)
     pending = table.fetch(indices, after=done, mode="fill", sf_layout="row")   # indices [T, I] global ids
     h = ...                                              # independent XLA work overlaps the reads (GPU)
     data, sf = table.wait(pending, after=h)              # data [T, I*hidden], sf per sf_layout or None
@@ -21,7 +22,8 @@ Inside ``jax.shard_map`` over the context axis, under ``jax.jit`` (local shapes)
 
 Outside ``shard_map`` (global arrays, jit and shard_map done for you)::
 
-    table.write_global(x, sf=None)     # x [num_ranks*num_entries, hidden] (sharded along the axis, or numpy)
+    table.write_global(x, sf=None)     # x [num_ranks*num_entries, hidden] (sharded along the axis, or numpy:
+                                       # moved to the devices WRITE_SLICE_BYTES per rank at a time)
     data, sf = table.lookup_global(ids)
 
 Semantics (``docs/semantics.md``, "Engram"; the reference is
@@ -113,6 +115,26 @@ def _check_choice(op: str, what: str, value, choices) -> int:
     if value not in choices:
         raise ValueError(f"jax_engram EngramTable.{op}: {what} must be one of {tuple(choices)}, got {value!r}")
     return choices[value]
+
+
+def _row_offset(pre: str, row_offset, num_entries: int, n: int) -> jax.Array:
+    """A write's first row as an int32 [] array: a Python int checked against [0, num_entries - n]; an integer array
+    (clamped into that range natively, engram::write_start_row) saturated into int32 first, so a wide offset cannot
+    wrap onto a valid row."""
+    last = num_entries - n
+    if isinstance(row_offset, (bool, np.bool_)):
+        raise TypeError(f"{pre}: row_offset must be an int or an integer [] array, got {row_offset!r}")
+    if isinstance(row_offset, (int, np.integer)):
+        if not 0 <= int(row_offset) <= last:
+            raise ValueError(f"{pre}: row_offset {int(row_offset)} puts the {n} rows outside the shard of "
+                             f"{num_entries} rows (0 <= row_offset <= {last})")
+        return jnp.asarray(int(row_offset), jnp.int32)
+    off = jnp.asarray(row_offset)
+    if off.shape != () or not jnp.issubdtype(off.dtype, jnp.integer):
+        raise TypeError(f"{pre}: row_offset must be an int or an integer [] array, got {off.dtype}{list(off.shape)}")
+    if off.dtype != jnp.int32:
+        off = jnp.clip(off, 0, last).astype(jnp.int32)
+    return off
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "sf", "status", "indices"],
@@ -259,9 +281,9 @@ class EngramTable:
         return dict(alloc_id=self.region.alloc_id, offset=self.region.offset, num_entries=self.num_entries,
                     row_bytes=self.row_bytes, sf_alloc_id=r.alloc_id if r else 0, sf_offset=r.offset if r else 0)
 
-    def _write_attrs(self, sf_bytes: int) -> dict:
+    def _write_attrs(self) -> dict:
         """EngramWriteAttrs (less ctx_id)."""
-        return dict(self._region_attrs(), sf_bytes=sf_bytes)
+        return dict(self._region_attrs(), sf_row_bytes=self.num_sf_packs * 4)
 
     def _fetch_attrs(self, mode: int, sf_layout: int, overlap: bool, config: EngramConfig, slot: int) -> dict:
         """EngramFetchAttrs (less ctx_id)."""
@@ -314,55 +336,68 @@ class EngramTable:
             indices = indices.astype(jnp.int32)
         return indices
 
-    def _check_write(self, storage: jax.Array, sf: Optional[jax.Array]) -> tuple[jax.Array, Optional[jax.Array]]:
-        """write's arguments checked, the same on both group shapes: (storage, sf as an array or None)."""
+    def _check_write(self, storage: jax.Array, sf: Optional[jax.Array],
+                     row_offset) -> tuple[jax.Array, Optional[jax.Array], jax.Array]:
+        """write's arguments checked, the same on both group shapes: (storage, sf as an array or None, row_offset as
+        an int32 [] array)."""
         _call.check_axis(self.ctx, "EngramTable.write")
         pre = "jax_engram EngramTable.write"
         storage = _call.on_mesh(self.ctx, "EngramTable.write", storage)
-        if storage.shape != (self.num_entries, self.hidden):
-            raise ValueError(f"{pre}: storage must be this rank's shard [num_entries, hidden] = "
-                             f"[{self.num_entries}, {self.hidden}] (local shape inside shard_map), got "
-                             f"{storage.shape}")
+        if storage.ndim != 2 or storage.shape[1] != self.hidden or not 1 <= storage.shape[0] <= self.num_entries:
+            raise ValueError(f"{pre}: storage must be [n, hidden] rows of this rank's shard, 1 <= n <= num_entries "
+                             f"(the whole shard: [{self.num_entries}, {self.hidden}]; local shape inside shard_map), "
+                             f"got {storage.shape}")
+        n = storage.shape[0]
         if storage.dtype != self.dtype:
             raise TypeError(f"{pre}: storage dtype {storage.dtype} does not match the table's {self.dtype.name} "
                             "(no implicit conversion; cast it yourself)")
+        row_offset = _row_offset(pre, row_offset, self.num_entries, n)
         if not self.num_sf_packs:
             if sf is not None:
                 raise ValueError(f"{pre}: sf given but the table was created with num_sf_packs=0")
-            return storage, None
+            return storage, None, row_offset
         if sf is None:
-            raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf, the replicated "
-                             f"scale-factor table [num_ranks*num_entries, P] = [{self.total_entries}, "
-                             f"{self.num_sf_packs}]")
+            raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf, the scale factors of "
+                             f"the written rows of every rank [num_ranks*n, P] = [{self.num_ranks * n}, "
+                             f"{self.num_sf_packs}] (a whole-shard write: the replicated table, indexed by global id)")
         sf = jnp.asarray(sf)
-        if sf.shape != (self.total_entries, self.num_sf_packs):
-            raise ValueError(f"{pre}: sf must be the replicated table [num_ranks*num_entries, num_sf_packs] = "
-                             f"[{self.total_entries}, {self.num_sf_packs}] indexed by global id, got {sf.shape}")
+        if sf.shape != (self.num_ranks * n, self.num_sf_packs):
+            raise ValueError(f"{pre}: sf must be the scale factors of the written rows of every rank, rank-major: "
+                             f"[num_ranks*n, num_sf_packs] = [{self.num_ranks * n}, {self.num_sf_packs}] (a "
+                             f"whole-shard write: the replicated table, indexed by global id), got {sf.shape}")
         if sf.dtype != self.sf_dtype:
             raise TypeError(f"{pre}: sf dtype {sf.dtype} does not match the table's sf_dtype {self.sf_dtype.name}")
-        return storage, sf
+        return storage, sf, row_offset
 
     # --------------------------------------------------------------------------- in shard_map
-    def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *,
+    def write(self, storage: jax.Array, sf: Optional[jax.Array] = None, *, row_offset: int | jax.Array = 0,
               after: Optional[jax.Array] = None) -> jax.Array:
-        """Collective: replace this rank's shard with ``storage`` [num_entries, hidden] of the table's dtype
-        (and, with scale factors, every rank's copy of the replicated ``sf`` [num_ranks*num_entries, P]).
+        """Collective: replace rows ``row_offset .. row_offset+n`` of this rank's shard with ``storage`` [n, hidden]
+        of the table's dtype, 1 <= n <= num_entries (the whole shard: [num_entries, hidden] at row 0). With scale
+        factors, ``sf`` [num_ranks*n, P] holds those rows' factors for every rank, rank-major (rank q's rows
+        ``q*num_entries + row_offset ..``); each rank's replicated copy is updated (a whole-shard write: the
+        replicated table [num_ranks*num_entries, P] indexed by global id).
+
+        A write of part of the shard lets a table larger than device memory be filled a slice at a time
+        (``write_global`` does that with host arrays). ``row_offset``: a Python int (checked: ``0 <= row_offset <=
+        num_entries - n``) or an int32 [] array, which is clamped into that range as ``lax.dynamic_update_slice``
+        clamps (a changing offset does not recompile). It is the same on every rank where the table has scale
+        factors (each rank writes every rank's factors at it).
 
         ``after``: any array that must be computed before the write starts (e.g. the data of an earlier
         lookup of this table in the same program). Returns ``done``, a float32 [] scalar: pass it as ``after=``
-        to the fetches that must see the new table.
+        to the fetches that must see the new rows.
         """
-        storage, sf = self._check_write(storage, sf)
+        storage, sf, row_offset = self._check_write(storage, sf, row_offset)
         if self._hier is not None:
-            return self._hier.write(storage, sf, after=after)
-        sf_bytes = self.sf_nbytes if self.num_sf_packs else 0
+            return self._hier.write(storage, sf, row_offset, after=after)
         if not self.num_sf_packs:
             sf = jnp.zeros((0,), jnp.int32)
         # `after` only orders the write (stop_gradient: it may be a differentiated array, e.g. the data of a
         # lookup inside a training step; the write contributes no gradient to it).
         token = _call.new_token(self.ctx) if after is None else jax.lax.stop_gradient(jnp.asarray(after))
         return _call.call(self.ctx, "jax_engram_engram_write", _call.like(storage, (), _call.TOKEN_DTYPE), token,
-                          storage, sf, effect=True, **self._write_attrs(sf_bytes))
+                          row_offset, storage, sf, effect=True, **self._write_attrs())
 
     def fetch(self, indices: jax.Array, *, after: Optional[jax.Array] = None, mode: EngramMode = "fill",
               sf_layout: SfLayout = "row", overlap: bool = True,
@@ -488,35 +523,78 @@ class EngramTable:
         if fn is None:
             mesh, ax = self._mesh_spec()
 
-            def body(x, sf, tok):
-                t = self.write(x, sf if self.num_sf_packs else None, after=tok)
+            def body(x, sf, off, tok):
+                t = self.write(x, sf if self.num_sf_packs else None, row_offset=off, after=tok)
                 return t.reshape(1)
 
-            sm = jax.shard_map(body, mesh=mesh, in_specs=(P(ax, None), P(), P(ax)), out_specs=P(ax))
+            sm = jax.shard_map(body, mesh=mesh, in_specs=(P(ax, None), P(), P(), P(ax)), out_specs=P(ax))
             fn = self._global_fns["write"] = jax.jit(sm)
         return fn
 
-    def write_global(self, x: jax.Array | np.ndarray, sf: jax.Array | np.ndarray | None = None) -> jax.Array:
-        """Collective: write the whole table from ``x`` [num_ranks*num_entries, hidden] (rank r's shard =
-        rows r*num_entries..; a jax.Array sharded along the axis, or a host array that every process passes
-        in full) and, with scale factors, the replicated ``sf`` [num_ranks*num_entries, P]. Ordered after
-        every earlier ``*_global`` call of this table. Returns ``done`` (float32 [num_ranks], one per rank)."""
-        mesh, ax = self._mesh_spec()
-        shape = (self.total_entries, self.hidden)
-        if tuple(np.shape(x)) != shape:
-            raise ValueError(f"jax_engram EngramTable.write_global: x must be the whole table [num_ranks*num_entries, "
-                             f"hidden] = [{shape[0]}, {shape[1]}], got {tuple(np.shape(x))}")
-        x = self._to_global(x, P(ax, None), "x")
+    def write_global(self, x: jax.Array | np.ndarray, sf: jax.Array | np.ndarray | None = None, *,
+                     row_offset: int = 0) -> jax.Array:
+        """Collective: write rows ``row_offset .. row_offset+n`` of every rank's shard from ``x`` [num_ranks*n,
+        hidden] (rank r's rows = ``x[r*n:(r+1)*n]``; a jax.Array sharded along the axis, or a host array that every
+        process passes in full) and, with scale factors, their ``sf`` [num_ranks*n, P] (rank-major, as in
+        ``write``). The defaults write the whole table: x [num_ranks*num_entries, hidden], rank r's shard = rows
+        r*num_entries.., and the replicated sf indexed by global id.
+
+        A host array moves to the devices in slices of at most ``WRITE_SLICE_BYTES`` of rows per rank, one
+        ``write`` each, so a host-placed table larger than device memory is written from host memory (a numpy
+        memmap works too); a jax.Array is written as it is. Ordered after every earlier ``*_global`` call of this
+        table. Returns ``done`` (float32 [num_ranks], one per rank)."""
+        pre = "jax_engram EngramTable.write_global"
+        R = self.num_ranks
+        rows = tuple(np.shape(x))
+        if len(rows) != 2 or rows[1] != self.hidden or rows[0] % R or not 1 <= rows[0] // R <= self.num_entries:
+            raise ValueError(f"{pre}: x must be [num_ranks*n, hidden] with 1 <= n <= num_entries (the whole table: "
+                             f"[{self.total_entries}, {self.hidden}]), got {rows}")
+        n = rows[0] // R
+        if isinstance(row_offset, (bool, np.bool_)) or not isinstance(row_offset, (int, np.integer)):
+            raise TypeError(f"{pre}: row_offset must be an int, got {row_offset!r}")
+        if not 0 <= int(row_offset) <= self.num_entries - n:
+            raise ValueError(f"{pre}: row_offset {int(row_offset)} puts the {n} rows of each rank outside its shard "
+                             f"of {self.num_entries} rows (0 <= row_offset <= {self.num_entries - n})")
         if self.num_sf_packs:
             if sf is None:
-                raise ValueError(f"jax_engram EngramTable.write_global: the table has num_sf_packs="
-                                 f"{self.num_sf_packs}: pass sf [{self.total_entries}, {self.num_sf_packs}]")
-            sf = self._to_global(sf, P(), "sf")
+                raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf "
+                                 f"[{R * n}, {self.num_sf_packs}]")
+            if tuple(np.shape(sf)) != (R * n, self.num_sf_packs):
+                raise ValueError(f"{pre}: sf must be [num_ranks*n, num_sf_packs] = [{R * n}, {self.num_sf_packs}] "
+                                 f"(the written rows' scale factors, rank-major), got {tuple(np.shape(sf))}")
         elif sf is not None:
-            raise ValueError("jax_engram EngramTable.write_global: sf given but the table has num_sf_packs=0")
+            raise ValueError(f"{pre}: sf given but the table has num_sf_packs=0")
+        mesh, ax = self._mesh_spec()
+        if isinstance(x, jax.Array):
+            return self._write_slice(self._to_global(x, P(ax, None), "x"), sf, int(row_offset))
+        x = np.asarray(x)
+        if sf is not None and not isinstance(sf, np.ndarray):
+            sf = np.asarray(sf)  # replicated scale factors: small beside the rows, sliced on the host below
+        step = max(1, min(n, self.WRITE_SLICE_BYTES // self.row_bytes))
+        sh = NamedSharding(mesh, P(ax, None))
+        for s0 in range(0, n, step):
+            m = min(step, n - s0)
+
+            def rows_of(idx, s0=s0, m=m):  # device piece idx = rank r's rows r*m.. of the slice = its rows s0.. of x
+                r0 = (idx[0].start or 0) // m * n + s0
+                return x[r0:r0 + m, idx[1]]
+
+            piece = jax.make_array_from_callback((R * m, self.hidden), sh, rows_of)
+            sfs = None if sf is None else np.concatenate([sf[q * n + s0:q * n + s0 + m] for q in range(R)])
+            self._write_slice(piece, sfs, int(row_offset) + s0)
+        return self._token
+
+    #: Bytes of rows per rank that ``write_global`` moves to the devices at a time from a host array.
+    WRITE_SLICE_BYTES: int = 1 << 30
+
+    def _write_slice(self, x: jax.Array, sf, row_offset: int) -> jax.Array:
+        """One jitted write of global x [num_ranks*n, hidden] at row_offset (an operand: no recompile per slice)."""
+        if self.num_sf_packs:
+            sf = self._to_global(sf, P(), "sf")
         else:
             sf = self._to_global(np.zeros((0,), np.int32), P(), "sf")
-        self._token = self._write_fn()(x, sf, self._global_token())
+        off = self._to_global(np.asarray(row_offset, np.int32), P(), "row_offset")
+        self._token = self._write_fn()(x, sf, off, self._global_token())
         return self._token
 
     def _to_global(self, a, spec, name):

@@ -20,21 +20,30 @@ namespace {
 
 using namespace engram_validate;
 
-ffi::Error EngramWriteCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage, ffi::AnyBuffer sf,
-                          ffi::Result<ffi::AnyBuffer> token_out, EngramWriteAttrs at) {
+ffi::Error EngramWriteCpu(int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer row_offset, ffi::AnyBuffer storage,
+                          ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, EngramWriteAttrs at) {
   (void)token;
   MemberScope s(at.ctx_id, ordinal, kOpEngramWrite);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   WriteRegions w;
-  if (auto e = check_write(kOpEngramWrite, m, storage, sf, at, &w); !e.success()) return e;
-  const uint64_t n = w.n;
-  Allocation* a = w.a;
-  uint8_t* sf_dst = w.sf_dst;
-  // No peer may still read the old table (fetches on CPU are synchronous, so a peer past this barrier is done).
+  if (auto e = check_write(kOpEngramWrite, m, row_offset, storage, sf, at, &w); !e.success()) return e;
+  const int64_t start =
+      engram::write_start_row(*static_cast<const int32_t*>(row_offset.untyped_data()), at.num_entries, w.rows);
+  cpu::EngramWrite cw;
+  cw.shard = w.a->local + at.offset;
+  cw.src = static_cast<const uint8_t*>(storage.untyped_data());
+  cw.num_entries = at.num_entries;
+  cw.rows = w.rows;
+  cw.row_bytes = at.row_bytes;
+  cw.start = start;
+  cw.nranks = m.nranks;
+  cw.sf_table = w.sf_bytes ? w.sf_dst : nullptr;
+  cw.sf_src = static_cast<const uint8_t*>(sf.untyped_data());
+  cw.sf_row_bytes = at.sf_row_bytes;
+  // No peer may still read the old rows (fetches on CPU are synchronous, so a peer past this barrier is done).
   if (!cpu::barrier(m, kOpEngramWrite)) return s.check_recorded();
-  if (n) std::memcpy(a->local + at.offset, storage.untyped_data(), n);
-  if (at.sf_bytes) std::memcpy(sf_dst, sf.untyped_data(), at.sf_bytes);
+  cpu::engram_write(cw);
   if (!cpu::barrier(m, kOpEngramWrite)) return s.check_recorded();
   if (token_out->size_bytes()) std::memset(token_out->untyped_data(), 0, token_out->size_bytes());
   return s.check_recorded();

@@ -2,8 +2,9 @@
 // engram_bindings.h).
 //
 // write: make XLA's stream wait for this member's side stream, queued fetches included (none of ours still reads
-//        the old table), barrier kernel, copy kernel into the own region (ends with a system fence: published), copy
-//        of the replicated sf table, barrier kernel; all on XLA's stream.
+//        the old table), barrier kernel, the write kernel (the rows into the own region at the start row it reads
+//        from the row_offset operand, every rank's sf slice into the replicated sf table; ends with a system fence:
+//        published), barrier kernel; all on XLA's stream.
 // fetch: overlap=1 and a side stream: record an event on XLA's stream, make the side stream wait for it, launch
 //        the gather on the side stream (fetch returns at once; XLA work placed before wait overlaps the reads),
 //        then record the fetch's slot event there (engram_order.h). overlap=0 (lookup = fetch + wait back to back)
@@ -74,18 +75,16 @@ ffi::Error slot_record(CudaMemberState& st, int32_t op, int64_t slot, cudaStream
   return e == cudaSuccess ? ffi::Error::Success() : cuda_failure(op, what, e);
 }
 
-ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer storage,
-                           ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out, EngramWriteAttrs at) {
+ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token, ffi::AnyBuffer row_offset,
+                           ffi::AnyBuffer storage, ffi::AnyBuffer sf, ffi::Result<ffi::AnyBuffer> token_out,
+                           EngramWriteAttrs at) {
   (void)token;
   constexpr int32_t op = kOpEngramWrite;
   MemberScope s(at.ctx_id, ordinal, op);
   if (!s.ok()) return s.error();
   Member& m = s.member();
   WriteRegions w;
-  if (auto e = check_write(op, m, storage, sf, at, &w); !e.success()) return e;
-  const uint64_t n = w.n;
-  Allocation* a = w.a;
-  uint8_t* sf_dst = w.sf_dst;
+  if (auto e = check_write(op, m, row_offset, storage, sf, at, &w); !e.success()) return e;
   CudaDeviceGuard g(ordinal);
   if (auto e = enter_device(m, op, g); !e.success()) return e;
   CudaMemberState& st = cuda_state(m);
@@ -96,15 +95,22 @@ ffi::Error EngramWriteCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
       return op_error(op, msg, ffi::ErrorCode::kDeadlineExceeded);
     if (auto e = order_after(st, op, st.side_stream, stream, false); !e.success()) return e;
   }
+  EngramWriteArgs wa;
+  wa.shard = w.a->local + at.offset;
+  wa.src = static_cast<const uint8_t*>(storage.untyped_data());
+  wa.row_offset = static_cast<const int32_t*>(row_offset.untyped_data());
+  wa.num_entries = at.num_entries;
+  wa.rows = w.rows;
+  wa.row_bytes = at.row_bytes;
+  wa.nranks = m.nranks;
+  wa.sf_table = w.sf_bytes ? w.sf_dst : nullptr;
+  wa.sf_src = static_cast<const uint8_t*>(sf.untyped_data());
+  wa.sf_row_bytes = at.sf_row_bytes;
   const SyncArgs sync = make_sync_args(m, op);
   cudaError_t ce = launch_barrier(sync, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
-  ce = launch_copy(a->local + at.offset, storage.untyped_data(), n, kCopyPublish, stream);
+  ce = launch_engram_write(wa, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the copy into the table region", ce);
-  if (at.sf_bytes) {
-    ce = launch_copy(sf_dst, sf.untyped_data(), static_cast<uint64_t>(at.sf_bytes), kCopyPlain, stream);
-    if (ce != cudaSuccess) return cuda_failure(op, "launching the copy of the scale-factor table", ce);
-  }
   ce = launch_barrier(sync, stream);
   if (ce != cudaSuccess) return cuda_failure(op, "launching the barrier kernel", ce);
   if (token_out->size_bytes()) {

@@ -15,7 +15,7 @@ namespace jax_engram {
 struct EngramWriteAttrs {
   int64_t ctx_id;
   int64_t alloc_id, offset, num_entries, row_bytes;  // the table region: this rank's shard
-  int64_t sf_alloc_id, sf_offset, sf_bytes;          // the replicated scale-factor table (sf_bytes 0: none)
+  int64_t sf_alloc_id, sf_offset, sf_row_bytes;      // the replicated scale-factor table, bytes per row (0: none)
 };
 
 // Static attributes of a fetch (EngramTable._fetch_attrs).
@@ -64,7 +64,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
     ::xla::ffi::StructMember<int64_t>("num_entries"), ::xla::ffi::StructMember<int64_t>("row_bytes"),
     ::xla::ffi::StructMember<int64_t>("sf_alloc_id"), ::xla::ffi::StructMember<int64_t>("sf_offset"),
-    ::xla::ffi::StructMember<int64_t>("sf_bytes"));
+    ::xla::ffi::StructMember<int64_t>("sf_row_bytes"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jax_engram::EngramFetchAttrs, ::xla::ffi::StructMember<int64_t>("ctx_id"),
     ::xla::ffi::StructMember<int64_t>("alloc_id"), ::xla::ffi::StructMember<int64_t>("offset"),
@@ -93,8 +93,9 @@ template <typename B>
 auto bind_engram_write(B&& b) {
   return std::forward<B>(b)
       .template Arg<ffi::AnyBuffer>()  // token (any array; not read)
-      .template Arg<ffi::AnyBuffer>()  // storage [num_entries, hidden]
-      .template Arg<ffi::AnyBuffer>()  // sf [total, P] or empty
+      .template Arg<ffi::AnyBuffer>()  // row_offset int32 []: the first shard row written (engram::write_start_row)
+      .template Arg<ffi::AnyBuffer>()  // storage [n, hidden], 1 <= n <= num_entries
+      .template Arg<ffi::AnyBuffer>()  // sf [nranks * n, P] (every rank's slice, rank-major) or empty
       .template Ret<ffi::AnyBuffer>()  // token
       .template Attrs<EngramWriteAttrs>();
 }

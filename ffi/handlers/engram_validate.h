@@ -23,23 +23,39 @@ inline ffi::Error sf_region(Member& m, int64_t sf_alloc_id, int64_t sf_offset, u
   return ffi::Error::Success();
 }
 
-// write: the shard (storage) and the scale-factor table (sf) against the attributes; the own table region and the
-// sf region.
+// write: the rows (storage), the row offset and the scale factors (sf) against the attributes; the own table region
+// and the sf region. Where the rows go: engram::write_start_row (engram_layout.h).
 struct WriteRegions {
-  uint64_t n = 0;  // bytes of the shard
+  int64_t rows = 0;        // rows written of every rank's shard (n)
+  uint64_t bytes = 0;      // of storage: rows * row_bytes
+  uint64_t sf_bytes = 0;   // of sf: nranks * rows * sf_row_bytes (0: no scale factors)
   Allocation* a = nullptr;
-  uint8_t* sf_dst = nullptr;
+  uint8_t* sf_dst = nullptr;  // the own replicated sf table [nranks * num_entries, P]
 };
-inline ffi::Error check_write(int32_t op, Member& m, const ffi::AnyBuffer& storage, const ffi::AnyBuffer& sf,
-                              const EngramWriteAttrs& at, WriteRegions* w) {
-  w->n = static_cast<uint64_t>(at.num_entries) * at.row_bytes;
-  if (storage.size_bytes() != w->n)
-    return op_error(op, "storage has " + num(storage.size_bytes()) + " bytes, the table shard needs " + num(w->n) +
-                            " (num_entries " + num(at.num_entries) + " x " + num(at.row_bytes) + " bytes per row)");
-  if (sf.size_bytes() != static_cast<uint64_t>(at.sf_bytes))
-    return op_error(op, "sf has " + num(sf.size_bytes()) + " bytes, expected " + num(at.sf_bytes));
-  if (auto e = check_region(m, at.alloc_id, at.offset, w->n, op, &w->a); !e.success()) return e;
-  return sf_region(m, at.sf_alloc_id, at.sf_offset, at.sf_bytes, op, &w->sf_dst);
+inline ffi::Error check_write(int32_t op, Member& m, const ffi::AnyBuffer& row_offset, const ffi::AnyBuffer& storage,
+                              const ffi::AnyBuffer& sf, const EngramWriteAttrs& at, WriteRegions* w) {
+  if (at.num_entries < 1 || at.row_bytes < 1 || at.sf_row_bytes < 0)
+    return op_error(op, "bad table attributes: num_entries " + num(at.num_entries) + ", row_bytes " +
+                            num(at.row_bytes) + ", sf_row_bytes " + num(at.sf_row_bytes));
+  if (row_offset.element_type() != ffi::DataType::S32 || row_offset.element_count() != 1)
+    return op_error(op, "row_offset must be one int32");
+  const uint64_t rb = static_cast<uint64_t>(at.row_bytes);
+  if (storage.size_bytes() % rb)
+    return op_error(op, "storage has " + num(storage.size_bytes()) + " bytes, not a whole number of " + num(rb) +
+                            "-byte rows");
+  w->rows = static_cast<int64_t>(storage.size_bytes() / rb);
+  if (w->rows < 1 || w->rows > at.num_entries)
+    return op_error(op, "storage has " + num(w->rows) + " rows; a write takes 1 to num_entries = " +
+                            num(at.num_entries) + " rows of the shard");
+  w->bytes = static_cast<uint64_t>(w->rows) * rb;
+  w->sf_bytes = static_cast<uint64_t>(m.nranks) * w->rows * at.sf_row_bytes;
+  if (sf.size_bytes() != w->sf_bytes)
+    return op_error(op, "sf has " + num(sf.size_bytes()) + " bytes, expected " + num(w->sf_bytes) + " (" +
+                            num(m.nranks) + " ranks x " + num(w->rows) + " rows x " + num(at.sf_row_bytes) + " bytes)");
+  const uint64_t region = static_cast<uint64_t>(at.num_entries) * rb;
+  if (auto e = check_region(m, at.alloc_id, at.offset, region, op, &w->a); !e.success()) return e;
+  return sf_region(m, at.sf_alloc_id, at.sf_offset, static_cast<uint64_t>(m.nranks) * at.num_entries * at.sf_row_bytes,
+                   op, &w->sf_dst);
 }
 
 // fetch: the gather configuration (EngramConfig). Checked on every backend, used by CUDA only.

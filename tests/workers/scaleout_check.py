@@ -59,7 +59,7 @@ CHECKS = checks.results
 
 
 def sharded(a, spec=None):
-    return shard(a, mesh, spec or P(AXES, *([None] * (a.ndim - 1))))
+    return shard(a, mesh, spec if spec is not None else P(AXES, *([None] * (a.ndim - 1))))
 
 
 def assert_equal(got, want, what):
@@ -111,6 +111,13 @@ def engram_case(dt, placement, packs, T, E, modes=("fill", "clip"), layouts=("ro
     x = random_bits(rng, (R * N, H), dt)
     sf = random_bits(rng, (R * N, packs), np.float32) if packs else None
     t.write_global(x, sf)
+    check_table(t, x, sf, rng, T, E, modes, layouts)
+    return t, x, sf
+
+
+def check_table(t, x, sf, rng, T, E, modes=("fill", "clip"), layouts=("row",)):
+    """Sharded lookups of t (every rank's own ids) bit-exact against the table x [R*N, H] and its sf."""
+    N, H, packs = t.num_entries, t.hidden, t.num_sf_packs
     for mode in modes:
         ids = make_ids(rng, R * T, E, t.total_entries)
         for layout in layouts:
@@ -125,7 +132,6 @@ def engram_case(dt, placement, packs, T, E, modes=("fill", "clip"), layouts=("ro
                     for sh in s.addressable_shards:
                         if sh.index[0].start == r * rows:
                             assert_equal(np.asarray(sh.data), np.asarray(ws), f"sf rank {r} {mode} {layout}")
-    return t, x, sf
 
 
 if "engram" in args.suite:
@@ -134,6 +140,37 @@ if "engram" in args.suite:
         def _(dt=_dt, pl=_pl, pk=_pk):
             engram_case(dt, pl, pk, T=5, E=3, layouts=("row", "tma_col_major") if pk else ("row",),
                         seed=len(dt.name) * 10 + len(pl) + pk)
+
+    @check("engram_sliced_writes")
+    def _():
+        # The hierarchical write of part of every shard: write_global streaming a host array in slices, at an int
+        # offset, and in shard_map at a traced offset (each node keeps its ranks' scale factors of the slice).
+        N, H, packs = 20, 32, 1
+        rng = np.random.default_rng(5)
+        t = je.EngramTable(N, H, FP8, ctx=ctx, placement="host", num_sf_packs=packs)
+        want = random_bits(rng, (R * N, H), FP8)
+        want_sf = random_bits(rng, (R * N, packs), np.float32)
+        t.WRITE_SLICE_BYTES = 6 * t.row_bytes
+        t.write_global(want, want_sf)
+        check_table(t, want, want_sf, rng, 5, 3)
+
+        def put(rows, s, start, m):
+            for q in range(R):
+                want[q * N + start:q * N + start + m] = rows[q * m:(q + 1) * m]
+                want_sf[q * N + start:q * N + start + m] = s[q * m:(q + 1) * m]
+
+        rows, s = random_bits(rng, (R * 4, H), FP8), random_bits(rng, (R * 4, packs), np.float32)
+        t.write_global(rows, s, row_offset=9)
+        put(rows, s, 9, 4)
+        check_table(t, want, want_sf, rng, 5, 3)
+        f = jax.jit(jax.shard_map(lambda a, b, o: t.write(a, b, row_offset=o).reshape(1), mesh=mesh,
+                                  in_specs=(P(AXES, None), P(), P()), out_specs=P(AXES)))
+        for off, start in ((2, 2), (50, N - 4)):
+            rows, s = random_bits(rng, (R * 4, H), FP8), random_bits(rng, (R * 4, packs), np.float32)
+            jax.block_until_ready(f(sharded(rows), sharded(s, P()), sharded(np.int32(off), P())))
+            put(rows, s, start, 4)
+            check_table(t, want, want_sf, rng, 5, 3, modes=("fill",), layouts=("row", "tma_col_major"))
+        t.free()
 
     @check("engram_in_shard_map_write_fetch_wait_and_T0")
     def _():

@@ -45,6 +45,15 @@ JE_HD int64_t sf_out_index(int64_t t, int64_t j, int64_t T, int64_t EP, int32_t 
   return layout == kSfTmaColMajor ? j * align_up(T, kSfTokenAlign) + t : t * EP + j;
 }
 
+// Write of `n` rows of every rank's shard (1 <= n <= num_entries; n = num_entries: the whole shard). The requested
+// start row is a device operand, so it is clamped as XLA's dynamic_update_slice clamps its start indices: the rows
+// always land inside the shard. Data: own rows [start, start + n). Scale factors: the written operand holds the
+// rows of every rank's slice, rank-major ([nranks * n, P]); rank q's go to global rows q*num_entries + start.
+JE_HD int64_t write_start_row(int64_t requested, int64_t num_entries, int64_t n) {
+  const int64_t last = num_entries - n;
+  return requested < 0 ? 0 : requested > last ? last : requested;
+}
+
 // Widest power-of-two access (<= 16 bytes) that divides the row size: rows then start aligned to it (region
 // offsets and XLA buffers are at least 64-byte aligned), so every access of a row is naturally aligned and
 // rows whose size is not a multiple of 16 need no separate tail.

@@ -155,6 +155,15 @@ void engram_gather(const EngramGather& g) {
   engram_gather_sf(g);
 }
 
+void engram_write(const EngramWrite& w) {
+  std::memcpy(w.shard + w.start * w.row_bytes, w.src, static_cast<size_t>(w.rows * w.row_bytes));
+  if (!w.sf_table) return;
+  const int64_t slice = w.rows * w.sf_row_bytes;
+  for (int32_t q = 0; q < w.nranks; ++q)
+    std::memcpy(w.sf_table + (q * w.num_entries + w.start) * w.sf_row_bytes, w.sf_src + q * slice,
+                static_cast<size_t>(slice));
+}
+
 namespace {
 double seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -44,6 +44,19 @@ void engram_zero_sf_padding(const EngramGather& g);
 // Gathers every row and sf of `g` on the calling thread.
 void engram_gather(const EngramGather& g);
 
+// A write of `rows` rows of every rank's shard (EngramTable.write; where they land: engram::write_start_row).
+struct EngramWrite {
+  uint8_t* shard = nullptr;              // own table region [num_entries, row_bytes]
+  const uint8_t* src = nullptr;          // [rows, row_bytes]
+  int64_t num_entries = 0, rows = 0, row_bytes = 0;
+  int64_t start = 0;                     // engram::write_start_row of the requested offset
+  int32_t nranks = 0;
+  uint8_t* sf_table = nullptr;           // own replicated sf table [nranks*num_entries, sf_row_bytes] (nullptr: none)
+  const uint8_t* sf_src = nullptr;       // [nranks*rows, sf_row_bytes], rank-major
+  int64_t sf_row_bytes = 0;
+};
+void engram_write(const EngramWrite& w);
+
 // Measurement helpers (the CPU module's host_memory_bandwidth / host_gather_rate): `threads` threads over
 // [0, bytes) each. GB/s of one pass.
 struct HostBandwidth {

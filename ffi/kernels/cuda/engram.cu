@@ -600,11 +600,58 @@ cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream, E
   return cudaGetLastError();
 }
 
+namespace {
+
+// dst[0, bytes) = src[0, bytes) by the grid's x dimension, in the widest vectors (16 to 1 bytes) that both pointers
+// and the size allow.
+template <typename V>
+JE_DEVICE void copy_vectors(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t n = bytes / sizeof(V);
+  auto* d = reinterpret_cast<V*>(dst);
+  const auto* s = reinterpret_cast<const V*>(src);
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) d[i] = s[i];
+}
+JE_DEVICE void copy_aligned(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  const uintptr_t al = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
+  if (al % 16 == 0) copy_vectors<uint4>(dst, src, bytes);
+  else if (al % 8 == 0) copy_vectors<uint2>(dst, src, bytes);
+  else if (al % 4 == 0) copy_vectors<uint32_t>(dst, src, bytes);
+  else copy_vectors<uint8_t>(dst, src, bytes);
+}
+
+// blockIdx.y == 0: the rows; blockIdx.y == 1 + q: rank q's scale-factor slice. Every thread ends with a system
+// fence: peers read the rows after the write's closing barrier (host memory included).
+__global__ void engram_write_kernel(EngramWriteArgs a) {
+  const int64_t start = engram::write_start_row(*a.row_offset, a.num_entries, a.rows);
+  if (blockIdx.y == 0) {
+    copy_aligned(a.shard + start * a.row_bytes, a.src, static_cast<uint64_t>(a.rows * a.row_bytes));
+  } else {
+    const int64_t q = blockIdx.y - 1, slice = a.rows * a.sf_row_bytes;
+    copy_aligned(a.sf_table + (q * a.num_entries + start) * a.sf_row_bytes, a.sf_src + q * slice,
+                 static_cast<uint64_t>(slice));
+  }
+  __threadfence_system();
+}
+
+}  // namespace
+
+cudaError_t launch_engram_write(const EngramWriteArgs& a, cudaStream_t stream) {
+  if (a.rows < 1 || !a.row_offset) return cudaErrorInvalidValue;
+  constexpr int kThreads = 256;
+  const uint64_t work = (static_cast<uint64_t>(a.rows * a.row_bytes) + 15) / 16;
+  const dim3 grid(static_cast<unsigned>(std::min<uint64_t>((work + kThreads - 1) / kThreads, 1024)),
+                  1 + (a.sf_table ? static_cast<unsigned>(a.nranks) : 0u));
+  engram_write_kernel<<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 cudaError_t engram_kernels_loadable() {
   cudaFuncAttributes attr{};
   cudaError_t e = cudaFuncGetAttributes(&attr, engram_gather_kernel<uint4, kLoadVolatile>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, engram_tma_kernel);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, engram_check_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, engram_write_kernel);
   if (e != cudaSuccess) cudaGetLastError();
   return e;
 }

@@ -52,6 +52,22 @@ struct EngramLaunchInfo {
 // gather_sms CTAs when "tma" was asked for (the caller wanted few SMs held). `info` (optional) says which ran.
 cudaError_t launch_engram_fetch(const EngramFetchArgs& a, cudaStream_t stream, EngramLaunchInfo* info = nullptr);
 
+// A write of `rows` rows of every rank's shard (EngramTable.write). The start row is read on the device from
+// `row_offset` (a stream-ordered operand) and clamped by engram::write_start_row; every rank's scale-factor slice
+// goes to the own replicated table. The stores are performed system-wide when the kernel completes (peers read the
+// rows after the write's closing barrier).
+struct EngramWriteArgs {
+  uint8_t* shard = nullptr;              // own table region [num_entries, row_bytes]
+  const uint8_t* src = nullptr;          // [rows, row_bytes]
+  const int32_t* row_offset = nullptr;   // one int32 (device)
+  int64_t num_entries = 0, rows = 0, row_bytes = 0;
+  int32_t nranks = 0;
+  uint8_t* sf_table = nullptr;           // own replicated sf table [nranks*num_entries, sf_row_bytes] (nullptr: none)
+  const uint8_t* sf_src = nullptr;       // [nranks*rows, sf_row_bytes], rank-major
+  int64_t sf_row_bytes = 0;
+};
+cudaError_t launch_engram_write(const EngramWriteArgs& a, cudaStream_t stream);
+
 // cudaSuccess if this module has a kernel image for the current device.
 cudaError_t engram_kernels_loadable();
 

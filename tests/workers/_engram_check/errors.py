@@ -74,8 +74,21 @@ def _():
     raises(lambda: new_table(0, 64, BF16, "device"), ValueError, "num_entries")
     raises(lambda: new_table(16, 64, BF16, "gpu"), ValueError, "placement")
     raises(lambda: new_table(16, 64, FP8, "device", packs=1, sf_dtype=np.float16), TypeError, "sf_dtype")
-    raises(lambda: in_sm(lambda a: t.write(a), jnp.zeros((15, 64), jnp.bfloat16)), ValueError, "storage",
+    raises(lambda: in_sm(lambda a: t.write(a), jnp.zeros((17, 64), jnp.bfloat16)), ValueError, "storage",
             "[16, 64]")
+    raises(lambda: in_sm(lambda a: t.write(a), jnp.zeros((0, 64), jnp.bfloat16)), ValueError, "1 <= n")
+    raises(lambda: in_sm(lambda a: t.write(a, row_offset=2), jnp.zeros((15, 64), jnp.bfloat16)), ValueError,
+           "row_offset 2", "0 <= row_offset <= 1")
+    raises(lambda: in_sm(lambda a: t.write(a, row_offset=-1), jnp.zeros((4, 64), jnp.bfloat16)), ValueError,
+           "row_offset -1")
+    raises(lambda: in_sm(lambda a: t.write(a, row_offset=True), jnp.zeros((4, 64), jnp.bfloat16)), TypeError,
+           "row_offset")
+    raises(lambda: in_sm(lambda a: t.write(a, row_offset=jnp.zeros((), jnp.float32)), jnp.zeros((4, 64),
+                                                                                               jnp.bfloat16)),
+           TypeError, "row_offset", "float32")
+    raises(lambda: in_sm(lambda a: t.write(a, row_offset=jnp.zeros((1,), jnp.int32)), jnp.zeros((4, 64),
+                                                                                               jnp.bfloat16)),
+           TypeError, "row_offset", "[1]")
     raises(lambda: in_sm(lambda a: t.write(a), jnp.zeros((16, 64), jnp.float32)), TypeError, "storage dtype")
     raises(lambda: in_sm(lambda a: t.write(a, jnp.zeros((R * 16, 1), jnp.float32)), x), ValueError, "sf given")
     raises(lambda: in_sm(lambda a: t8.write(a), x.astype(FP8)), ValueError, "pass sf")
@@ -90,6 +103,13 @@ def _():
     raises(lambda: in_sm(lambda i: t.wait(i), ids), TypeError, "EngramPending")
     raises(lambda: t.lookup(ids), ValueError, "shard_map")
     raises(lambda: t.write_global(np.zeros((R * 16 + 1, 64), BF16)), ValueError, "whole table")
+    raises(lambda: t.write_global(np.zeros((R * 17, 64), BF16)), ValueError, "1 <= n <= num_entries")
+    raises(lambda: t.write_global(np.zeros((R * 4, 64), BF16), row_offset=13), ValueError, "row_offset 13",
+           "0 <= row_offset <= 12")
+    raises(lambda: t.write_global(np.zeros((R * 4, 64), BF16), row_offset=np.int32(1).astype(float)), TypeError,
+           "row_offset")
+    raises(lambda: t8.write_global(np.zeros((R * 4, 64), FP8), np.zeros((R * 16, 1), np.float32)), ValueError,
+           f"[{R * 4}, 1]")
     raises(lambda: t.lookup_global(np.zeros((5,), np.int32)), ValueError, "[num_tokens, ids_per_token]")
 
 
@@ -119,8 +139,11 @@ def _():
         ids = np.zeros((R * 3, 2), np.int32)
         # a table per check: each table keeps its jitted write / lookup, traced with the changed call
         t = new_table(N, H, BF16, "device", c=c2)
-        run("jax_engram_engram_write", lambda r, a: (r, {**a, "num_entries": a["num_entries"] + 1}),
-            lambda: jax.block_until_ready(t.write_global(x)), "storage has", "the table shard needs")
+        run("jax_engram_engram_write", lambda r, a: (r, {**a, "num_entries": a["num_entries"] - 1}),
+            lambda: jax.block_until_ready(t.write_global(x)), "storage has 16 rows", "1 to num_entries = 15")
+        t = new_table(N, H, BF16, "device", c=c2)
+        run("jax_engram_engram_write", lambda r, a: (r, {**a, "row_bytes": a["row_bytes"] + 1}),
+            lambda: jax.block_until_ready(t.write_global(x)), "not a whole number of 129-byte rows")
 
         def wider_data(r, a):
             d = r[0]

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from _engram_check.common import (BF16, F16, F32, FP8, R, assert_global_equal, case, check_lookups, make_ids,
-                                  make_table_data, mesh, new_table, reference_lookup, replicated)
+from _engram_check.common import (AX, BF16, F16, F32, FP8, R, assert_global_equal, case, check_lookups, make_ids,
+                                  make_table_data, mesh, new_table, reference_lookup, replicated, sharded)
 
 
 def _dtype_case(dt, placement, suites):
@@ -101,3 +101,50 @@ def _():
             data = f(replicated(ids))
             want, _ = reference_lookup(x, None, want_ids, N, mode, "row", sharded=False)
             assert_global_equal(data, want, f"{ids.dtype} ids mode={mode}")
+
+
+@case("sliced_writes", ("full", "core", "quick"))
+def _():
+    # A table written a slice at a time: write_global streaming a host array in slices (WRITE_SLICE_BYTES made
+    # small), write_global of part of every shard at an int offset, and the in-shard_map write at a traced offset
+    # (one compilation for every offset; an offset past the end clamps as lax.dynamic_update_slice clamps). Every
+    # state checked bit-exact by lookups of all modes against a numpy copy of the table.
+    N = 23
+    for placement, dt, H, packs in (("host", FP8, 66, 2), ("device", BF16, 64, 0), ("host", BF16, 100, 0),
+                                    ("device", FP8, 128, 1)):
+        t = new_table(N, H, dt, placement, packs)
+        x, sf = make_table_data(N + H, N, H, dt, packs, t.sf_dtype)
+        t.write_global(x, sf)
+        x1, sf1 = make_table_data(N + H + 1, N, H, dt, packs, t.sf_dtype)
+        t.WRITE_SLICE_BYTES = 5 * t.row_bytes  # slices of 5, 5, 5, 5 and 3 rows per rank
+        t.write_global(x1, sf1)
+        check_lookups(t, x1, sf1, 31, T=4, E=12)
+        want, want_sf = x1.copy(), None if sf1 is None else sf1.copy()
+
+        def put(rows, s, start, m):  # rows [R*m, H], s [R*m, P]: rank q's rows go to its rows start..start+m
+            for q in range(R):
+                want[q * N + start:q * N + start + m] = rows[q * m:(q + 1) * m]
+                if s is not None:
+                    want_sf[q * N + start:q * N + start + m] = s[q * m:(q + 1) * m]
+
+        x2, sf2 = make_table_data(N + H + 2, 6, H, dt, packs, t.sf_dtype)  # [R*6, H], [R*6, P]
+        t.write_global(sharded(x2), sf2, row_offset=17)  # a jax.Array: one write; the shards' last 6 rows
+        put(x2, sf2, 17, 6)
+        check_lookups(t, want, want_sf, 32, T=4, E=12, modes=("fill",))
+
+        def body(rows, s, off):
+            return t.write(rows, s if packs else None, row_offset=off).reshape(1)
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX, None), P(), P()), out_specs=P(AX)))
+        x3, sf3 = make_table_data(N + H + 3, 7, H, dt, packs, t.sf_dtype)
+        s3 = sf3 if packs else np.zeros((R * 7, 1), np.float32)
+        for off, start in ((3, 3), (100, N - 7), (-5, 0)):
+            jax.block_until_ready(fn(sharded(x3), replicated(s3), replicated(np.int32(off))))
+            put(x3, sf3, start, 7)
+            check_lookups(t, want, want_sf, 33 + start, T=4, E=12, modes=("fill", "clip"))
+            x3 = x3[::-1].copy()  # the next offset writes other rows
+            if packs:
+                sf3 = sf3[::-1].copy()
+                s3 = sf3
+        assert fn._cache_size() == 1, f"the traced row_offset recompiled: {fn._cache_size()} compilations"
+        t.free()
