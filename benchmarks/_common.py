@@ -32,6 +32,7 @@ import numpy as np
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 __all__ = [
     "time_fn", "time_back_to_back", "time_interleaved", "time_loop", "time_per_call", "rotate", "rotations_for_cache",
@@ -547,23 +548,72 @@ def _mix32(a):
     return a ^ (a >> 16)
 
 
-def hashed_rows_fn(rows: int, values: int, dtype, seed: int, sharding) -> Callable[[], jax.Array]:
-    """A jitted maker of ``[rows, values]`` pseudo-random finite values of ``dtype`` (bfloat16, float16, float32 or
-    float8_e4m3fn) with ``sharding``: one elementwise kernel of 32-bit words hashed from (row, column), exponents
-    masked so that no value is inf or NaN. Fills tens of GiB in about a second on a GPU, with no temporary of the
-    table's size (jax.random would make one), so benchmark tables of production size are cheap to fill."""
+def hashed_rows_fn(rows: int, values: int, dtype, seed: int, sharding, *, ranks: int = 1,
+                   shard_rows: int | None = None) -> Callable[..., jax.Array]:
+    """A jitted maker ``make(start)`` of ``[rows, values]`` pseudo-random finite values of ``dtype`` (bfloat16,
+    float16, float32 or float8_e4m3fn) with ``sharding``: one elementwise kernel of 32-bit words hashed from (table
+    row, column), exponents masked so that no value is inf or NaN. Fills tens of GiB in about a second on a GPU,
+    with no temporary of the table's size (jax.random would make one), so benchmark tables of production size are
+    cheap to fill.
+
+    Which table rows: the result is ``ranks`` equal pieces, rank-major; piece q holds rows ``q*shard_rows + start
+    ..`` of a table with ``shard_rows`` rows per rank (default rows // ranks, so ``make(0)`` is the whole table).
+    ``start`` is an operand: every slice of one table (fill_hashed) compiles once."""
     dt = np.dtype(dtype)
     if (values * dt.itemsize) % 4:
         raise ValueError(f"hashed_rows_fn: a row of {values} {dt.name} is not a whole number of 32-bit words")
+    if rows % ranks:
+        raise ValueError(f"hashed_rows_fn: {rows} rows are not {ranks} equal pieces")
+    piece = rows // ranks
+    shard_rows = piece if shard_rows is None else shard_rows
+
+    def make(start):
+        g = lax.broadcasted_iota(jnp.uint32, (rows, 1), 0)
+        r = g // jnp.uint32(piece) * jnp.uint32(shard_rows) + jnp.asarray(start, jnp.uint32) + g % jnp.uint32(piece)
+        return _hashed(r, values, dt, seed)
+    return jax.jit(make, out_shardings=sharding)
+
+
+def hashed_rows_at(ids: jax.Array, values: int, dtype, seed: int) -> jax.Array:
+    """Rows ``ids`` (any shape of valid table rows) of the hashed_rows_fn table of ``seed``: ``[*ids.shape,
+    values]``. A benchmark checks a lookup against it at any table size, without the table in memory."""
+    r = jnp.asarray(ids).astype(jnp.uint32).reshape(-1, 1)
+    return _hashed(r, values, np.dtype(dtype), seed).reshape(*jnp.shape(ids), values)
+
+
+def _hashed(r, values: int, dt, seed: int):
+    """[n, values] of dt from the table rows r [n, 1] (uint32): 32-bit words hashed from (row, column), the top
+    exponent bit of every element cleared (fp8 e4m3fn exponent < 15, bf16 < 128, f16 < 16, f32 < 128): finite."""
     words = values * dt.itemsize // 4
-    # clear the top exponent bit of every element: fp8 e4m3fn exponent < 15, bf16 < 128, f16 < 16, f32 < 128
     mask = {1: 0xBFBFBFBF, 2: 0xBFFFBFFF, 4: 0xBFFFFFFF}[dt.itemsize]
     narrow = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dt.itemsize]
+    c = lax.broadcasted_iota(jnp.uint32, (r.shape[0], words), 1)
+    w = _mix32(_mix32(r ^ jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) + c) & jnp.uint32(mask)
+    x = lax.bitcast_convert_type(w, narrow) if dt.itemsize < 4 else w
+    return lax.bitcast_convert_type(x.reshape(r.shape[0], values), dt)
 
-    def make():
-        r = lax.broadcasted_iota(jnp.uint32, (rows, words), 0)
-        c = lax.broadcasted_iota(jnp.uint32, (rows, words), 1)
-        w = _mix32(_mix32(r ^ jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) + c) & jnp.uint32(mask)
-        x = lax.bitcast_convert_type(w, narrow) if dt.itemsize < 4 else w
-        return lax.bitcast_convert_type(x.reshape(rows, values), dt)
-    return jax.jit(make, out_shardings=sharding)
+
+def fill_hashed(table, seed: int, *, sf_seed: int | None = None, sf_map: Callable | None = None,
+                slice_bytes: int = 1 << 30) -> jax.Array:
+    """Fills every rank's shard of ``table`` with hashed_rows_fn's rows of ``seed`` (table row g gets the generator's
+    row g: the values of ``hashed_rows_fn(R*N, hidden, dtype, seed, ...)(0)``) and, with scale factors,
+    ``sf_map`` of the float32 hashed rows of ``sf_seed``. A slice of at most ``slice_bytes`` of rows per rank at a
+    time, made on the devices and written with ``write_global(row_offset=)``: the devices never hold a whole shard,
+    so a host table larger than device memory fills. Returns the last write's ``done``."""
+    mesh, ax = table.ctx.mesh, table.ctx.axis_name
+    R, N = table.num_ranks, table.num_entries
+    step = max(1, min(N, slice_bytes // table.row_bytes))
+    rows_sh, rep = NamedSharding(mesh, P(ax, None)), NamedSharding(mesh, P())
+    makers = {}
+    for s0 in range(0, N, step):
+        k = min(step, N - s0)
+        if k not in makers:  # two sizes at most: the slices and the last one
+            x = hashed_rows_fn(R * k, table.hidden, table.dtype, seed, rows_sh, ranks=R, shard_rows=N)
+            sf = None
+            if table.num_sf_packs:
+                raw = hashed_rows_fn(R * k, table.num_sf_packs, np.float32, sf_seed, None, ranks=R, shard_rows=N)
+                sf = jax.jit(lambda st, raw=raw: sf_map(raw(st)), out_shardings=rep)
+            makers[k] = (x, sf)
+        x, sf = makers[k]
+        table.write_global(x(np.uint32(s0)), None if sf is None else sf(np.uint32(s0)), row_offset=s0)
+    return table._token

@@ -220,16 +220,22 @@ def init_params():
 
 
 # ----------------------------------------------------------------------------------------------- the tables
+def _sf_map(raw):
+    """FP8 scale packs from hashed float32 words: positive, finite, near 2^-6."""
+    return jnp.abs(raw) * 2.0 ** -70 + 2.0 ** -6
+
+
 def _fill_fn(rows_global: int, seed: int):
     """A jitted maker of [rows_global, values] random finite rows of the row dtype (_common.hashed_rows_fn: one
-    elementwise kernel, no temporary of the table's size) and, for FP8, its [rows_global, packs] scale packs."""
+    elementwise kernel, no temporary of the table's size) and, for FP8, its [rows_global, packs] scale packs: the
+    values C.fill_hashed(table, seed, sf_seed=seed + 1, sf_map=_sf_map) writes into a table of rows_global rows."""
     sh = NamedSharding(mesh, P(AX, None))
     x_fn = C.hashed_rows_fn(rows_global, FMT["values"], RDT, seed, sh)
     if not FMT["sf_packs"]:
-        return lambda: (x_fn(), None)
-    s_fn = jax.jit(lambda: jnp.abs(C.hashed_rows_fn(rows_global, FMT["sf_packs"], np.float32, seed + 1, None)())
-                   * 2.0 ** -70 + 2.0 ** -6, out_shardings=NamedSharding(mesh, P()))
-    return lambda: (x_fn(), s_fn())
+        return lambda: (x_fn(np.uint32(0)), None)
+    raw = C.hashed_rows_fn(rows_global, FMT["sf_packs"], np.float32, seed + 1, None)
+    s_fn = jax.jit(lambda: _sf_map(raw(np.uint32(0))), out_shardings=NamedSharding(mesh, P()))
+    return lambda: (x_fn(np.uint32(0)), s_fn())
 
 
 def meminfo_gib(key="MemAvailable"):
@@ -264,14 +270,14 @@ def make_tables(table_gib: float):
     tables, hbm = {}, {}
     t0 = time.perf_counter()
     for i, l in enumerate(ELAYERS):
-        x, s = _fill_fn(total_rows, 1000 + i)()
         t = je.EngramTable(per_rank, FMT["values"], RDT, ctx=ctx, placement="host", num_sf_packs=FMT["sf_packs"])
-        t.write_global(x, s)
-        jax.block_until_ready(t._token)
+        # a slice at a time (the devices never hold a whole shard: host tables larger than HBM fill)
+        jax.block_until_ready(C.fill_hashed(t, 1000 + i, sf_seed=1001 + i, sf_map=_sf_map))
         tables[l] = t
-        if want_take and take_rows == total_rows:
+        if want_take and take_rows == total_rows:  # the same rows in HBM
+            x, s = _fill_fn(total_rows, 1000 + i)()
             hbm[str(l)] = (jax.device_put(x, NamedSharding(mesh, P())), s)  # one device: no copy
-        del x, s
+            del x, s
     fill_s = time.perf_counter() - t0
     if want_take and take_rows != total_rows:
         for i, l in enumerate(ELAYERS):

@@ -562,3 +562,45 @@ def test_engram_plot_one_rank_device_panel_is_local_hbm(tmp_path, backend, monke
     assert len(ours) == 2 and all(v > 0 for v in ours[1]), plotted  # latency panel, then local GB/s (not zero)
     want = [(3000.0, "ceiling: HBM copy (bytes counted once)")] if backend == "gpu" else []
     assert drawn == want, drawn
+
+
+FILL_SCRIPT = textwrap.dedent(r'''
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ml_dtypes
+sys.path.insert(0, sys.argv[1])
+import _common as C
+import jax_engram as je
+
+R = len(jax.devices())
+mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+sf_map = lambda raw: jnp.abs(raw) * 2.0 ** -70 + 2.0 ** -6
+with je.init(mesh, "ep") as ctx:
+    N, H, packs, seed = 11, 64, 2, 123
+    t = je.EngramTable(N, H, ml_dtypes.float8_e4m3fn, ctx=ctx, placement="host", num_sf_packs=packs)
+    C.fill_hashed(t, seed, sf_seed=seed + 1, sf_map=sf_map, slice_bytes=3 * t.row_bytes)  # 3, 3, 3, 2 rows
+    whole = np.asarray(C.hashed_rows_fn(R * N, H, t.dtype, seed, None)(np.uint32(0)))
+    whole_sf = np.asarray(sf_map(C.hashed_rows_fn(R * N, packs, np.float32, seed + 1, None)(np.uint32(0))))
+    ids = np.arange(R * N, dtype=np.int32).reshape(-1, 1)
+    data, sf = t.lookup_global(ids)
+    assert np.array_equal(np.asarray(data).view(np.uint8), whole.view(np.uint8)), "rows"
+    assert np.array_equal(np.asarray(sf), whole_sf), "scale factors"
+    at = np.asarray(jax.jit(lambda i: C.hashed_rows_at(i, H, t.dtype, seed))(ids[::-1, 0]))
+    assert np.array_equal(at.view(np.uint8), whole[::-1].view(np.uint8)), "hashed_rows_at"
+    assert len(np.unique(whole.view(np.uint8).reshape(R * N, -1), axis=0)) == R * N  # no two rows alike
+    t.free()
+print("FILL_OK", R)
+''')
+
+
+@pytest.mark.parametrize("ndev", [4, 1])
+def test_fill_hashed_writes_the_generator_rows_a_slice_at_a_time(ndev):
+    """_common.fill_hashed fills a table (FP8 + scale factors) in slices of a few rows per rank: every row and scale
+    factor is the whole-table generator's (hashed_rows_fn(...)(0)), and hashed_rows_at gives the same rows by id."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ndev}").strip())
+    p = subprocess.run([sys.executable, "-c", FILL_SCRIPT, BENCH], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and f"FILL_OK {ndev}" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
