@@ -9,10 +9,11 @@ from conftest import assert_same_message, run_worker
 
 # case -> words its message must contain (the user's arguments and the table's numbers)
 NEEDLES = {
-    "write_storage_shape": ["ValueError", "storage must be this rank's shard", "[8, 4]", "(7, 4)"],
+    "write_storage_shape": ["ValueError", "storage must be [n, hidden] rows of this rank's shard", "[8, 4]", "(9, 4)"],
+    "write_row_offset": ["ValueError", "row_offset 4 puts the 5 rows outside the shard of 8 rows", "<= 3"],
     "write_storage_dtype": ["TypeError", "storage dtype bfloat16", "float32"],
     "write_without_sf": ["ValueError", "num_sf_packs=1: pass sf", "[32, 1]"],
-    "write_sf_shape": ["ValueError", "sf must be the replicated table", "(31, 1)"],
+    "write_sf_shape": ["ValueError", "sf must be the scale factors of the written rows of every rank", "(31, 1)"],
     "write_sf_dtype": ["TypeError", "sf dtype int32"],
     "fetch_ids_rank": ["ValueError", "indices must be [num_tokens, ids_per_token]", "(6,)"],
     "fetch_ids_float": ["TypeError", "indices must be an integer array", "float32"],

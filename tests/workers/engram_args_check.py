@@ -35,7 +35,8 @@ GROUPS = group_meshes(devs)
 
 # name -> fn(table, storage [N, D] f32, sf [R*N, 1] f32, ids [T, 2] int32) run per rank; the table has one sf pack
 CASES = {
-    "write_storage_shape": lambda t, s, sf, i: t.write(s[:-1], sf),
+    "write_storage_shape": lambda t, s, sf, i: t.write(jnp.concatenate([s, s[:1]]), sf),
+    "write_row_offset": lambda t, s, sf, i: t.write(s[:5], sf[:R * 5], row_offset=4),
     "write_storage_dtype": lambda t, s, sf, i: t.write(s.astype(jnp.bfloat16), sf),
     "write_without_sf": lambda t, s, sf, i: t.write(s),
     "write_sf_shape": lambda t, s, sf, i: t.write(s, sf[:-1]),
