@@ -117,18 +117,23 @@ def _check_choice(op: str, what: str, value, choices) -> int:
     return choices[value]
 
 
+def _checked_row_offset(pre: str, row_offset: int, num_entries: int, n: int) -> int:
+    """A Python int row offset checked against [0, num_entries - n] (n rows of every rank's shard written)."""
+    if not 0 <= int(row_offset) <= num_entries - n:
+        raise ValueError(f"{pre}: row_offset {int(row_offset)} puts the {n} rows outside the shard of "
+                         f"{num_entries} rows (0 <= row_offset <= {num_entries - n})")
+    return int(row_offset)
+
+
 def _row_offset(pre: str, row_offset, num_entries: int, n: int) -> jax.Array:
-    """A write's first row as an int32 [] array: a Python int checked against [0, num_entries - n]; an integer array
+    """A write's first row as an int32 [] array: a Python int checked (_checked_row_offset); an integer array
     (clamped into that range natively, engram::write_start_row) saturated into int32 first, so a wide offset cannot
     wrap onto a valid row."""
     last = num_entries - n
     if isinstance(row_offset, (bool, np.bool_)):
         raise TypeError(f"{pre}: row_offset must be an int or an integer [] array, got {row_offset!r}")
     if isinstance(row_offset, (int, np.integer)):
-        if not 0 <= int(row_offset) <= last:
-            raise ValueError(f"{pre}: row_offset {int(row_offset)} puts the {n} rows outside the shard of "
-                             f"{num_entries} rows (0 <= row_offset <= {last})")
-        return jnp.asarray(int(row_offset), jnp.int32)
+        return jnp.asarray(_checked_row_offset(pre, row_offset, num_entries, n), jnp.int32)
     off = jnp.asarray(row_offset)
     if off.shape != () or not jnp.issubdtype(off.dtype, jnp.integer):
         raise TypeError(f"{pre}: row_offset must be an int or an integer [] array, got {off.dtype}{list(off.shape)}")
@@ -552,9 +557,7 @@ class EngramTable:
         n = rows[0] // R
         if isinstance(row_offset, (bool, np.bool_)) or not isinstance(row_offset, (int, np.integer)):
             raise TypeError(f"{pre}: row_offset must be an int, got {row_offset!r}")
-        if not 0 <= int(row_offset) <= self.num_entries - n:
-            raise ValueError(f"{pre}: row_offset {int(row_offset)} puts the {n} rows of each rank outside its shard "
-                             f"of {self.num_entries} rows (0 <= row_offset <= {self.num_entries - n})")
+        row_offset = _checked_row_offset(pre, row_offset, self.num_entries, n)
         if self.num_sf_packs:
             if sf is None:
                 raise ValueError(f"{pre}: the table has num_sf_packs={self.num_sf_packs}: pass sf "
@@ -566,7 +569,7 @@ class EngramTable:
             raise ValueError(f"{pre}: sf given but the table has num_sf_packs=0")
         mesh, ax = self._mesh_spec()
         if isinstance(x, jax.Array):
-            return self._write_slice(self._to_global(x, P(ax, None), "x"), sf, int(row_offset))
+            return self._write_slice(self._to_global(x, P(ax, None), "x"), sf, row_offset)
         x = np.asarray(x)
         if sf is not None and not isinstance(sf, np.ndarray):
             sf = np.asarray(sf)  # replicated scale factors: small beside the rows, sliced on the host below
@@ -581,7 +584,7 @@ class EngramTable:
 
             piece = jax.make_array_from_callback((R * m, self.hidden), sh, rows_of)
             sfs = None if sf is None else np.concatenate([sf[q * n + s0:q * n + s0 + m] for q in range(R)])
-            self._write_slice(piece, sfs, int(row_offset) + s0)
+            self._write_slice(piece, sfs, row_offset + s0)
         return self._token
 
     #: Bytes of rows per rank that ``write_global`` moves to the devices at a time from a host array.
